@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` (main job on the shipped model) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU installs pin torch to the CPU wheel; GPU users: `make install CONSTRAINTS=` (or pip install -e .)
+CONSTRAINTS ?= -c constraints-cpu.txt
+MODEL  ?= models/shakespeare-llama
+
+.PHONY: install demo test lint data bench-training clean
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]' $(CONSTRAINTS)
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m training.generate --model $(MODEL) --prompt "ROMEO. " --max-new-tokens 80
+
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest tests
+
+lint: install
+	$(PY) -m ruff check .
+
+data: install
+	$(PY) -m training.shakespeare --dest .cache/shakespeare
+
+bench-training: install
+	$(PY) bench/training_memory.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

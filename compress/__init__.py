@@ -1,0 +1,1 @@
+"""memfit compress: quantization, pruning and low-rank factorization (see the compress issues)."""

@@ -1,0 +1,1 @@
+"""memfit serve: OpenAI-compatible generation server (see the serve issues)."""

@@ -1,0 +1,5 @@
+"""memfit training: fine-tune or pretrain a causal LM with AMP, activation checkpointing and LoRA/QLoRA."""
+
+from training.errors import UserError
+
+__all__ = ["UserError"]

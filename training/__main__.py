@@ -1,0 +1,3 @@
+from training.cli import entry
+
+entry()

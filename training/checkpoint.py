@@ -1,0 +1,104 @@
+"""Crash-safe checkpoints: HF-format weights plus the full training state, all safetensors + JSON.
+
+A checkpoint dir is written under a temp name and swapped in with renames, so a run killed during a
+save leaves the previous checkpoint intact and loadable (`find_checkpoint` also finds it mid-swap).
+No pickle anywhere: optimizer state is flattened into a safetensors file plus JSON metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STATE_JSON = "training_state.json"
+STATE_TENSORS = "training_state.safetensors"
+
+
+def flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    meta: dict[str, Any] = {"param_groups": sd["param_groups"], "state": {}}
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in sd["state"].items():
+        entry = {}
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{idx}.{key}"] = value.detach().contiguous().cpu()
+                entry[key] = {"__tensor__": f"optimizer.{idx}.{key}"}
+            else:
+                entry[key] = value
+        meta["state"][str(idx)] = entry
+    return meta, tensors
+
+
+def unflatten_optimizer(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state = {}
+    for idx, entry in meta["state"].items():
+        state[int(idx)] = {
+            k: tensors[v["__tensor__"]] if isinstance(v, dict) and "__tensor__" in v else v
+            for k, v in entry.items()
+        }
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng.cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def atomic_dir(dest: Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp) then swap tmp into dest with renames; dest is never half-written."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    old = dest.parent / f".{dest.name}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        for f in (p for p in tmp.iterdir() if p.is_file()):  # durable before the rename publishes it
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(dest: Path) -> Path | None:
+    """The complete checkpoint at dest, or the previous one if a swap was interrupted."""
+    for candidate in (dest, dest.parent / f".{dest.name}.old"):
+        if (candidate / STATE_JSON).is_file():
+            return candidate
+    return None
+
+
+def write_training_state(d: Path, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    opt_meta, tensors = flatten_optimizer(optimizer.state_dict())
+    tensors.update(rng_tensors())
+    save_file(tensors, str(d / STATE_TENSORS))
+    # written last: its presence marks the checkpoint complete
+    (d / STATE_JSON).write_text(json.dumps({**state, "optimizer": opt_meta}, indent=1))
+
+
+def read_training_state(d: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    state = json.loads((d / STATE_JSON).read_text())
+    tensors = load_file(str(d / STATE_TENSORS))
+    return state, tensors

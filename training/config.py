@@ -1,0 +1,196 @@
+"""Typed training config: YAML recipe + `key=value` overrides, validated with errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.errors import UserError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+CHECKPOINTING = ("none", "full", "every_k")
+OPTIMIZERS = ("adamw", "adamw8bit")
+
+
+@dataclass
+class TrainConfig:
+    # --- model ---
+    model_path: str | None = None
+    """Fine-tune this Hugging Face checkpoint dir (any AutoModelForCausalLM). Exclusive with model_config."""
+    model_config: dict[str, Any] | None = None
+    """Train from scratch: LlamaConfig keyword arguments (hidden_size, num_hidden_layers, ...)."""
+    tokenizer_path: str | None = None
+    """Tokenizer dir. Default: the model_path's tokenizer, or (from scratch) a BPE trained on the data."""
+    vocab_size: int = 4096
+    """Vocabulary size of the BPE tokenizer trained from scratch."""
+    # --- data ---
+    data: list[str] = field(default_factory=list)
+    """Text files, dirs (every *.txt/*.jsonl inside) or globs. JSONL rows hold text, prompt/completion, or messages."""
+    val_files: list[str] = field(default_factory=list)
+    """File names (basenames) held out whole for validation. Empty: a val_fraction of documents by hash."""
+    val_fraction: float = 0.05
+    """Fraction of documents held out for validation when val_files is empty (deterministic, by document)."""
+    block_size: int = 256
+    """Tokens per packed training sequence."""
+    # --- optimisation ---
+    batch_size: int = 8
+    """Sequences per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; the loss is normalised by the token count over the whole window."""
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at max_steps."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    optimizer: str = "adamw"
+    """adamw (torch) or adamw8bit (bitsandbytes 8-bit states: 4x less optimizer memory)."""
+    seed: int = 1337
+    """Seeds init, data order and dropout."""
+    # --- memory knobs ---
+    precision: str = "auto"
+    """auto|fp32|bf16|fp16. auto: bf16 on CUDA with bf16, fp16+GradScaler on older CUDA, fp32 on CPU."""
+    checkpointing: str = "none"
+    """Activation checkpointing per decoder layer: none|full|every_k (non-reentrant)."""
+    checkpoint_every_k: int = 2
+    """With checkpointing=every_k: checkpoint every k-th decoder layer."""
+    lora: bool = False
+    """Train LoRA adapters (PEFT) instead of all weights."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA alpha (scale = alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get adapters."""
+    qlora: bool = False
+    """LoRA on a 4-bit NF4 base (bitsandbytes). Needs CUDA."""
+    # --- loop ---
+    eval_every: int = 100
+    """Evaluate validation loss/perplexity every N optimizer steps (and at the end)."""
+    eval_batches: int = 0
+    """Cap on validation micro-batches per eval (0 = the whole validation set)."""
+    save_every: int = 100
+    """Write the `last` checkpoint every N steps (and at the end); `best` follows validation loss."""
+    log_every: int = 10
+    """Append a metrics.jsonl row every N steps."""
+    output_dir: str = "runs/train"
+    """Where checkpoints, metrics.jsonl and the tokenizer go."""
+    allow_pickle: bool = False
+    """Allow loading pickle `.bin` checkpoints (unsafe: pickle runs code)."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint dir."""
+
+    def validate(self) -> TrainConfig:
+        if (self.model_path is None) == (self.model_config is None):
+            raise UserError("set exactly one of model_path (fine-tune) or model_config (from scratch)")
+        if not self.data:
+            raise UserError("data: no training data given (a list of files, dirs or globs)")
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        for name in ("block_size", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every",
+                     "log_every", "checkpoint_every_k", "lora_r", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.eval_batches < 0:
+            raise UserError("warmup_steps and eval_batches must be >= 0")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.lr <= 0:
+            raise UserError(f"lr must be > 0, got {self.lr}")
+        if self.qlora and self.model_path is None:
+            raise UserError("qlora: needs a model_path (a pretrained base to quantize)")
+        return self
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _coerce(key: str, raw: str) -> Any:
+    """Parse an override value with YAML, so `lr=1e-3`, `lora=true`, `data=[a,b]` all work."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise UserError(f"override {key}={raw!r}: not a valid value ({e})") from None
+    hint = _HINTS[key]
+    if hint is float and isinstance(value, int):
+        value = float(value)
+    if hint == list[str] and isinstance(value, str):
+        value = [value]
+    if hint is str and value is not None and not isinstance(value, str):
+        value = str(value)
+    return value
+
+
+def _check_types(values: dict[str, Any], source: str) -> None:
+    for key, value in values.items():
+        if key not in _FIELDS:
+            close = [k for k in _FIELDS if k.split("_")[0] == key.split("_")[0]]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UserError(f"{source}: unknown config key {key!r}{hint}")
+        hint = _HINTS[key]
+        ok = {
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            bool: isinstance(value, bool),
+            str: isinstance(value, str),
+        }.get(hint)
+        if hint == str | None:
+            ok = value is None or isinstance(value, str)
+        elif hint == list[str]:
+            ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        elif hint == dict[str, Any] | None:
+            ok = value is None or isinstance(value, dict)
+        if ok is False:
+            raise UserError(f"{source}: {key} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML recipe (optional) and apply `key=value` overrides; unknown keys are an error."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"--config: {path} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"--config: {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"--config: {path} must hold a mapping of config keys")
+        _check_types(loaded, path)
+        values.update(loaded)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise UserError(f"override {item!r}: expected key=value")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if key not in _FIELDS:
+            _check_types({key: None}, "override")
+        value = _coerce(key, raw)
+        _check_types({key: value}, "override")
+        values[key] = value
+    return TrainConfig(**values).validate()

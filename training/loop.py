@@ -1,0 +1,264 @@
+"""The training loop, top to bottom: one optimizer step = grad_accum micro-batches on every process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from tqdm import tqdm
+
+from training import checkpoint as ckpt
+from training import precision as amp
+from training.config import TrainConfig
+from training.errors import UserError
+from training.memory import ActivationMeter, MemoryReport, fill_static
+from training.setup import (
+    get_model,
+    get_tokenizer,
+    load_data,
+    lr_factor,
+    make_optimizer,
+    prepare_output_dir,
+    read_split,
+)
+
+
+class DataOrder:
+    """Global sample k -> block index: a fresh seeded permutation per epoch.
+
+    The order depends only on (seed, k), so resuming at step s continues at sample s * global_batch,
+    and N processes see exactly the samples one process would, in the same order.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self._perms = n, seed, {}
+
+    def __call__(self, k: int) -> int:
+        epoch, pos = divmod(k, self.n)
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g)}
+        return int(self._perms[epoch][pos])
+
+
+def token_loss_sum(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x).logits
+    # CE in fp32 whatever autocast did: low-precision log-softmax over the vocab loses accuracy.
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg: TrainConfig, prec: amp.Precision, acc: Accelerator) -> float | None:
+    n = len(data.val_x)
+    if n == 0:
+        return None
+    model.eval()
+    starts = list(range(acc.process_index * cfg.batch_size, n, cfg.batch_size * acc.num_processes))
+    if cfg.eval_batches:
+        starts = starts[: cfg.eval_batches]
+    total = torch.zeros(2, dtype=torch.float64, device=acc.device)
+    for s in starts:
+        x = data.val_x[s : s + cfg.batch_size].to(acc.device)
+        y = data.val_y[s : s + cfg.batch_size].to(acc.device)
+        with prec.autocast():
+            total[0] += token_loss_sum(model, x, y).double()
+        total[1] += (y != -100).sum()
+    total = acc.reduce(total, reduction="sum") if acc.num_processes > 1 else total
+    model.train()
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def save(dest: Path, model, tokenizer, optimizer, state: dict[str, Any], acc: Accelerator,
+         with_state: bool = True) -> None:
+    unwrapped = acc.unwrap_model(model)
+    weights = acc.get_state_dict(model) if acc.distributed_type.value == "FSDP" else None
+    if not acc.is_main_process:
+        return
+
+    def write(tmp: Path) -> None:
+        unwrapped.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        if with_state:
+            ckpt.write_training_state(tmp, state, optimizer)
+        else:
+            (tmp / "best.json").write_text(json.dumps({k: state[k] for k in ("step", "val_loss")}))
+
+    ckpt.atomic_dir(dest, write)
+
+
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memory_report: bool = False,
+          on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+    """Run training; returns the final metrics. `on_step(step, row)` is called after every step."""
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    out = Path(cfg.output_dir)
+    resume_from = prepare_output_dir(out, resume, overwrite) if acc.is_main_process else None
+    acc.wait_for_everyone()
+    if resume and resume_from is None:
+        resume_from = ckpt.find_checkpoint(out / "last")
+    train_docs, val_docs = read_split(cfg)
+    tokenizer = get_tokenizer(cfg, out, train_docs, acc)
+    data = load_data(cfg, tokenizer, train_docs, val_docs)
+    prec = amp.resolve(cfg.precision, acc.device)
+
+    model = get_model(cfg, tokenizer, resume_from, acc.device).to(acc.device)
+    model.train()
+    model = acc.prepare(model)
+    optimizer = make_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+    scaler = prec.scaler()
+    world, rank = acc.num_processes, acc.process_index
+    global_batch = cfg.batch_size * cfg.grad_accum * world
+    step, best_val, tokens_seen = 0, math.inf, 0
+
+    if resume_from is not None:
+        state, tensors = ckpt.read_training_state(resume_from)
+        if state["global_batch"] != global_batch:
+            raise UserError(f"--resume: global batch {global_batch} != checkpoint's {state['global_batch']} "
+                            "(batch_size x grad_accum x processes must match to continue the data order)")
+        optimizer.load_state_dict(ckpt.unflatten_optimizer(state["optimizer"], tensors))
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        ckpt.restore_rng(tensors)
+        step, best_val, tokens_seen = state["step"], state["best_val"], state["tokens_seen"]
+    else:
+        torch.manual_seed(cfg.seed + rank)
+
+    order = DataOrder(len(data.train_x), cfg.seed)
+    metrics = (out / "metrics.jsonl").open("a") if acc.is_main_process else None
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if acc.is_main_process:
+        print(f"model: {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable); precision {prec.name}; "
+              f"checkpointing {cfg.checkpointing}; {len(data.train_x)} train / {len(data.val_x)} val blocks of "
+              f"{cfg.block_size} ({data.n_train_docs} / {data.n_val_docs} documents); world {world}", flush=True)
+
+    stop = {"signal": None}  # SIGTERM (preemption): finish the step, save `last`, exit cleanly
+    if acc.is_main_process and world == 1:
+        signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
+
+    def state_dict() -> dict[str, Any]:
+        return {"step": step, "best_val": best_val, "tokens_seen": tokens_seen, "global_batch": global_batch,
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+                "config": dataclasses.asdict(cfg)}
+
+    report = MemoryReport() if memory_report else None
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not acc.is_main_process, dynamic_ncols=True)
+    last: dict[str, Any] = {}
+    t0, tokens_at_t0 = time.perf_counter(), tokens_seen
+    while step < cfg.max_steps:
+        # The global batch of this step, then this process's contiguous share of it.
+        idx = [order(step * global_batch + i) for i in range(global_batch)]
+        y_all = data.train_y[idx]
+        n_tokens = int((y_all != -100).sum())  # the whole window, all processes: loss normaliser
+        mine = idx[rank * cfg.batch_size * cfg.grad_accum : (rank + 1) * cfg.batch_size * cfg.grad_accum]
+        loss_sum = torch.zeros((), device=acc.device, dtype=torch.float64)
+        for micro in range(cfg.grad_accum):
+            chunk = mine[micro * cfg.batch_size : (micro + 1) * cfg.batch_size]
+            x, y = data.train_x[chunk].to(acc.device), data.train_y[chunk].to(acc.device)
+            sync = micro == cfg.grad_accum - 1  # all-reduce gradients only once per step
+            meter = ActivationMeter(model) if report is not None and step == 0 and micro == 0 else None
+            with acc.no_sync(model) if not sync else _null(), meter or _null():
+                with prec.autocast():
+                    s = token_loss_sum(model, x, y)
+                # DDP averages gradients over processes, so scale by world to get sum / n_tokens.
+                loss = s * world / max(n_tokens, 1)
+                (scaler.scale(loss) if scaler else loss).backward()
+            if meter is not None:
+                report.activations = meter.bytes
+            loss_sum += s.detach().double()
+        if world > 1:
+            loss_sum = acc.reduce(loss_sum, reduction="sum")
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if cfg.grad_clip > 0:
+            gnorm = float(acc.clip_grad_norm_(params, cfg.grad_clip))
+        else:
+            gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        lr = scheduler.get_last_lr()[0]
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        scheduler.step()
+        if report is not None and step == 0:
+            fill_static(report, model, optimizer)
+            _write_report(report, out, acc)
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += n_tokens
+
+        train_loss = float(loss_sum) / max(n_tokens, 1)
+        elapsed = time.perf_counter() - t0
+        row = {"step": step, "loss": round(train_loss, 6), "lr": lr, "grad_norm": round(gnorm, 4),
+               "tokens": tokens_seen, "tokens_per_s": round((tokens_seen - tokens_at_t0) / max(elapsed, 1e-9), 1),
+               "mem_mib": round(_memory_bytes(acc.device) / 2**20, 1)}
+        if scaler is not None:
+            row["loss_scale"] = scaler.get_scale()
+        bar.update(1)
+        bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{row['mem_mib']:.0f}M")
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            val = evaluate(model, data, cfg, prec, acc)
+            if val is not None:
+                row.update(val_loss=round(val, 6), val_ppl=round(math.exp(min(val, 50)), 4))
+                if val < best_val:
+                    best_val = val
+                    save(out / "best", model, tokenizer, optimizer, {"step": step, "val_loss": val}, acc,
+                         with_state=False)
+                bar.write(f"step {step}: val loss {val:.4f} ppl {math.exp(min(val, 50)):.2f}")
+        if metrics and (step % cfg.log_every == 0 or "val_loss" in row or step == cfg.max_steps):
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+        if step % cfg.save_every == 0 or step == cfg.max_steps or stop["signal"]:
+            save(out / "last", model, tokenizer, optimizer, state_dict(), acc)
+        last = row
+        if on_step is not None:
+            on_step(step, row)
+        if stop["signal"]:
+            bar.write(f"signal {stop['signal']}: saved {out / 'last'} at step {step}; resume with --resume")
+            break
+    bar.close()
+    if metrics:
+        metrics.close()
+    if (cfg.lora or cfg.qlora) and acc.is_main_process and step == cfg.max_steps and not cfg.qlora:
+        merged = acc.unwrap_model(model).merge_and_unload()
+        ckpt.atomic_dir(out / "merged", lambda d: (merged.save_pretrained(d), tokenizer.save_pretrained(d)))
+    acc.wait_for_everyone()
+    return {**last, "best_val_loss": best_val if best_val < math.inf else None,
+            "memory_report": report.as_dict() if report else None}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _write_report(report: MemoryReport, out: Path, acc: Accelerator) -> None:
+    if acc.is_main_process:
+        (out / "memory_report.json").write_text(json.dumps(report.as_dict(), indent=1))
+        print("memory report (bytes measured after the first step):\n" + report.table(), flush=True)
