@@ -1,0 +1,125 @@
+"""``serve`` command: start the OpenAI-compatible server (see ``serve --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from serve.loader import DEFAULT_MODEL
+from training.errors import UserError
+
+log = logging.getLogger("serve")
+
+
+def _default_model() -> str:
+    repo = Path(__file__).resolve().parent.parent / DEFAULT_MODEL
+    return str(repo) if repo.is_dir() and not Path(DEFAULT_MODEL).is_dir() else DEFAULT_MODEL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve", description="OpenAI-compatible generation server with continuous "
+                                "batching, chunked prefill, streaming and Prometheus metrics.")
+    p.add_argument("--model", default=None, help=f"HF checkpoint dir (safetensors) or compress output "
+                   f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="auto = fp32 on CPU")
+    p.add_argument("--quantize", choices=["nf4", "int8"], default=None,
+                   help="quantize the decoder Linears at load (int8: torch dynamic; nf4: bitsandbytes)")
+    p.add_argument("--max-batch", type=int, default=16, help="KV-cache slots = max concurrent sequences")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context per slot, prompt + output (default: min(max_position_embeddings, 2048))")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens prefilled per step")
+    p.add_argument("--max-queue", type=int, default=64, help="max sequences waiting for a slot; more get 429")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env MEMFIT_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before cancelling them")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    from training.model import check_checkpoint_dir
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    for name, lo, hi in (("max_batch", 1, 1024), ("prefill_chunk", 1, 1 << 20), ("max_queue", 0, 1 << 20),
+                         ("max_body_bytes", 1024, 1 << 30)):
+        v = getattr(args, name)
+        if not lo <= v <= hi:
+            raise UserError(f"--{name.replace('_', '-')} must be in {lo}..{hi}, got {v}")
+    if args.graceful_timeout < 0:
+        raise UserError("--graceful-timeout must be >= 0")
+    check_checkpoint_dir(args.model, allow_pickle=False)
+    if not any(Path(args.model).glob("*.safetensors")):
+        raise UserError(f"--model: {args.model} has no *.safetensors weights (pickle checkpoints are refused)")
+    try:
+        cfg = json.loads((Path(args.model) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model: unreadable config.json: {e}") from None
+    maxpos = cfg.get("max_position_embeddings")
+    if args.max_seq_len is not None:
+        if args.max_seq_len < 2:
+            raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
+        if maxpos and args.max_seq_len > maxpos:
+            raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings {maxpos}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.model is None:
+        args.model = _default_model()
+    args.api_key = args.api_key or os.environ.get("MEMFIT_API_KEY") or None
+    try:
+        validate(args)
+    except UserError as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from serve.api import ServeConfig, create_app
+
+    cfg = ServeConfig(model_path=args.model, served_name=args.served_model_name, dtype=args.dtype,
+                      quantize=args.quantize, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                      prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
+                      max_body_bytes=args.max_body_bytes)
+    app = create_app(cfg)
+    state = app.state.serve
+    failure: list[BaseException] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: stop admitting, let in-flight requests finish
+            if state.status in ("ready", "loading"):
+                state.status = "draining"
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=args.graceful_timeout, access_log=False))
+
+    def on_failed(e: BaseException) -> None:
+        failure.append(e)
+        server.should_exit = True
+
+    state.on_failed = on_failed
+    log.info("serve: model %s on http://%s:%d (health 503 until loaded)", args.model, args.host, args.port)
+    server.run()
+    if failure:
+        e = failure[0]
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UserError) else 1
+    if not server.started:
+        return 1
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Load a model dir for serving: plain HF checkpoints (safetensors only) or ``compress`` outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.errors import UserError
+from training.model import check_checkpoint_dir, load_pretrained
+
+log = logging.getLogger("serve.loader")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_MODEL = "models/shakespeare-llama"
+# end-of-turn markers of common chat templates: generation stops at them like at EOS
+_END_MARKERS = ("<|end|>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<end_of_turn>")
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    eos_ids: set[int]
+    max_positions: int
+    quantized: str | None  # how: "compress", "int8", "nf4" or None
+
+
+def resolve_dtype(name: str, config: dict) -> torch.dtype:
+    if name in DTYPES:
+        return DTYPES[name]
+    # auto: this engine runs on CPU, where bf16/fp16 matmuls are much slower than fp32
+    return torch.float32
+
+
+def _quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
+    """Quantize the decoder's Linear layers in place (lm_head and embeddings stay as they are)."""
+    layers = model.model.layers
+    if method == "int8":
+        from torch.ao.quantization import quantize_dynamic
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.model.layers = quantize_dynamic(layers, {torch.nn.Linear}, dtype=torch.qint8)
+        return model
+    if method == "nf4":
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise UserError(f"--quantize nf4 needs bitsandbytes: {e}") from None
+        for mod in layers.modules():
+            for name, child in list(mod.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          quant_type="nf4", compute_dtype=child.weight.dtype)
+                    q.weight = bnb.nn.Params4bit(child.weight.data.float().contiguous(), requires_grad=False,
+                                                 quant_type="nf4")
+                    if child.bias is not None:
+                        q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                    setattr(mod, name, q.to("cpu"))
+        return model
+    raise UserError(f"--quantize: unknown method {method!r} (nf4 or int8)")
+
+
+def _eos_ids(model: torch.nn.Module, tok) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, list | tuple):
+            ids.update(int(x) for x in e)
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    vocab = tok.get_vocab()
+    special = set(getattr(tok, "all_special_tokens", []))
+    for m in _END_MARKERS:
+        if m in vocab and m in special:
+            ids.add(vocab[m])
+    return ids
+
+
+def load(path: str, dtype: str = "auto", quantize: str | None = None) -> Loaded:
+    check_checkpoint_dir(path, allow_pickle=False)
+    if not any(Path(path).glob("*.safetensors")):
+        raise UserError(f"--model: {path} has no *.safetensors weights (pickle checkpoints are refused)")
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model: {path}/config.json is unreadable: {e}") from None
+    how = None
+    compress_load = None
+    if "quantization_config" in config:
+        try:
+            import compress
+
+            compress_load = getattr(compress, "load", None)
+        except ImportError:
+            compress_load = None
+    if compress_load is not None:
+        try:
+            model = compress_load(path, device="cpu")
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - surface as a user-facing load error
+            raise UserError(f"--model: compress.load({path}) failed: {type(e).__name__}: {e}") from None
+        how = "compress"
+    else:
+        model = load_pretrained(path, dtype=resolve_dtype(dtype, config))
+        if dtype in DTYPES:
+            model = model.to(DTYPES[dtype])
+    model.eval()
+    if quantize:
+        if how == "compress":
+            raise UserError("--quantize: the model is already quantized by compress")
+        model = _quantize(model, quantize)
+        how = quantize
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model: no usable tokenizer in {path}: {e}") from None
+    maxpos = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+    return Loaded(model, tok, _eos_ids(model, tok), maxpos, how)

@@ -1,0 +1,169 @@
+"""A packed, slot-cache forward pass over the weights of a Hugging Face Llama-style model.
+
+One call runs any mix of decode tokens and prefill chunks from different sequences ("segments"):
+all tokens of the step are packed into one ``[T, hidden]`` matrix so every Linear runs once per
+layer; attention reads a preallocated KV cache ``[layers, max_batch, kv_heads, max_seq, head_dim]``
+(one static slot per running sequence, never reallocated) with per-token positions.
+
+Only the *modules* of the HF model are called (``layer.self_attn.q_proj(x)``, ``layer.mlp(x)``,
+``layer.input_layernorm(x)``), never their ``.weight``, so quantized Linear replacements from
+``compress`` work unchanged. Rotary embeddings come from the model's own ``rotary_emb`` module, so
+every RoPE scaling variant that transformers implements is matched exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from training.errors import UserError
+
+SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass
+class Segment:
+    """``length`` tokens of one sequence in slot ``slot`` starting at absolute position ``start``."""
+
+    slot: int
+    start: int
+    length: int
+    want_logits: bool = True  # logits of the segment's last token are returned
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotModel:
+    """Wraps an HF ``*ForCausalLM`` (Llama family) with a static slot KV cache."""
+
+    def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
+                 cache_dtype: torch.dtype | None = None):
+        cfg = hf_model.config
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_TYPES:
+            raise UserError(f"model: architecture {model_type!r} is not supported by the serve engine "
+                            f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})")
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+                and model_type == "mistral":
+            raise UserError("model: sliding-window attention is not supported by the serve engine")
+        self.hf = hf_model.eval()
+        self.inner = hf_model.model
+        self.layers = list(self.inner.layers)
+        self.lm_head = hf_model.lm_head
+        self.rotary = self.inner.rotary_emb
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.vocab_size = cfg.vocab_size
+        self.dtype = self._param_dtype()
+        cdt = cache_dtype or self.dtype
+        shape = (len(self.layers), max_batch, self.num_kv, max_seq_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=cdt)
+        self.v_cache = torch.zeros(shape, dtype=cdt)
+        self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
+            else self.head_dim ** -0.5
+
+    def _param_dtype(self) -> torch.dtype:
+        emb = self.inner.embed_tokens
+        w = getattr(emb, "weight", None)
+        if w is not None and w.dtype.is_floating_point:
+            return w.dtype
+        for p in self.hf.parameters():
+            if p.dtype.is_floating_point:
+                return p.dtype
+        return torch.float32
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Run ``input_ids`` (1-D, the segments' tokens concatenated in order) and return the logits
+        (float32, ``[num segments with want_logits, vocab]``) of each wanting segment's last token."""
+        T = int(input_ids.shape[0])
+        assert T == sum(s.length for s in segments)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
+        slots = torch.cat([torch.full((s.length,), s.slot, dtype=torch.long) for s in segments])
+        if int(positions.max()) >= self.max_seq_len:
+            raise ValueError("position beyond max_seq_len")
+
+        h = self.inner.embed_tokens(input_ids[None])  # [1, T, hidden]
+        cos, sin = self.rotary(h, positions[None])
+        cos = cos[0][:, None, :]  # [T, 1, D]
+        sin = sin[0][:, None, :]
+
+        # Decodes (length-1 segments) are attended as one padded batch; prefill chunks one by one.
+        dec_idx = [i for i, s in enumerate(segments) if s.length == 1]
+        offsets, o = [], 0
+        for s in segments:
+            offsets.append(o)
+            o += s.length
+        dec_tok = torch.tensor([offsets[i] for i in dec_idx], dtype=torch.long)
+        dec_slots = torch.tensor([segments[i].slot for i in dec_idx], dtype=torch.long)
+        dec_len = torch.tensor([segments[i].start + 1 for i in dec_idx], dtype=torch.long)
+        dec_max = int(dec_len.max()) if dec_idx else 0
+        dec_mask = (torch.arange(dec_max)[None, :] < dec_len[:, None])[:, None, None, :] if dec_idx else None
+        contiguous = bool(dec_idx) and dec_slots.tolist() == list(
+            range(int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)))
+        pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
+
+        H, KV, D = self.num_heads, self.num_kv, self.head_dim
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(T, H, D)
+            k = attn.k_proj(x).view(T, KV, D)
+            v = attn.v_proj(x).view(T, KV, D)
+            if hasattr(attn, "q_norm"):  # qwen3
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[slots, :, positions] = k.to(kc.dtype)
+            vc[slots, :, positions] = v.to(vc.dtype)
+
+            out = torch.empty(T, H, D, dtype=q.dtype)
+            if dec_idx:
+                qd = q[dec_tok][:, :, None, :]  # [n, H, 1, D]
+                if contiguous:
+                    a, b = int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)
+                    kd, vd = kc[a:b, :, :dec_max], vc[a:b, :, :dec_max]
+                else:
+                    kd, vd = kc[dec_slots, :, :dec_max], vc[dec_slots, :, :dec_max]
+                od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=dec_mask,
+                                                    scale=self.scale, enable_gqa=KV != H)
+                out[dec_tok] = od[:, :, 0, :]
+            for i, s in pre:
+                a, n = offsets[i], s.length
+                end = s.start + n
+                qp = q[a:a + n].transpose(0, 1)[None]  # [1, H, n, D]
+                kp = kc[s.slot:s.slot + 1, :, :end].to(q.dtype)
+                vp = vc[s.slot:s.slot + 1, :, :end].to(q.dtype)
+                if s.start == 0:
+                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
+                                                        enable_gqa=KV != H)
+                else:
+                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=s.start)
+                    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
+                                                        enable_gqa=KV != H)
+                out[a:a + n] = op[0].transpose(0, 1)
+            h = h + attn.o_proj(out.reshape(1, T, H * D))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+        want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
+        if not want:
+            return torch.empty(0, self.vocab_size)
+        hl = self.inner.norm(h[0, want])
+        return self.lm_head(hl).float()
+
+    def clear_slot(self, slot: int) -> None:
+        """Nothing to do: a slot's stale entries are never read (masks stop at each sequence's length)."""

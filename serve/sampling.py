@@ -1,0 +1,93 @@
+"""Per-sequence sampling: penalties, temperature, top-k, top-p, min-p, seeded torch.Generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus top-k alternatives
+    ignore_eos: bool = False
+
+
+class SamplerState:
+    """Everything one sequence needs between steps (penalty counts, its own generator)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int):
+        self.p = params
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(int(params.seed))
+        else:
+            self.generator.seed()
+        self.counts: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab_size)
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            ids = torch.tensor([i for i in prompt_ids if 0 <= i < vocab_size], dtype=torch.long)
+            self.seen[ids] = True
+
+    def observe(self, token: int) -> None:
+        if self.counts is not None and token < self.vocab_size:
+            self.counts[token] += 1
+        if self.seen is not None and token < self.vocab_size:
+            self.seen[token] = True
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Apply the penalties (OpenAI presence/frequency over generated tokens; CTRL repetition
+        penalty over prompt and generated tokens) to a copy of ``logits`` [V]."""
+        p = self.p
+        x = logits
+        if self.seen is not None:
+            x = x.clone()
+            s = x[self.seen]
+            x[self.seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+        if self.counts is not None:
+            x = x - self.counts * p.frequency_penalty - (self.counts > 0).float() * p.presence_penalty
+        return x
+
+    def sample(self, logits: torch.Tensor) -> int:
+        p = self.p
+        x = self.process(logits)
+        if p.temperature == 0:
+            return int(torch.argmax(x))
+        x = x / p.temperature
+        if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sp, dim=-1)
+            drop = (cum - sp) > p.top_p * cum[-1]  # keep the smallest prefix reaching top_p (at least one)
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability (of the raw model distribution) of ``token`` and the ``k`` most likely tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        v, i = torch.topk(lp, k)
+        top = list(zip(i.tolist(), v.tolist(), strict=True))
+    return float(lp[token]), top

@@ -1,0 +1,243 @@
+"""Engine-level tests: slot-cache forward vs HF, chunked prefill, continuous batching, sampling, cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from serve.engine import Engine, Event, Sequence
+from serve.model import Segment, SlotModel
+from serve.sampling import SamplerState, SamplingParams
+
+from .conftest import hf_greedy
+
+
+def _engine(loaded, max_batch=4, max_seq=256, chunk=16, max_queue=64):
+    sm = SlotModel(loaded.model, max_batch, max_seq)
+    return Engine(sm, loaded.tokenizer, loaded.eos_ids, prefill_chunk=chunk, max_queue=max_queue)
+
+
+class Collector:
+    def __init__(self):
+        self.events: list[Event] = []
+        self.done = threading.Event()
+
+    def __call__(self, ev: Event):
+        self.events.append(ev)
+        if ev.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def text(self):
+        return "".join(e.text for e in self.events)
+
+
+def _seq(loaded, ids, **kw):
+    c = Collector()
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 12)
+    return Sequence(ids, SamplingParams(**kw), c, loaded.model.config.vocab_size), c
+
+
+def test_packed_forward_matches_hf_logits(loaded):
+    torch.manual_seed(1)
+    V = loaded.model.config.vocab_size
+    sm = SlotModel(loaded.model, 4, 128)
+    a, b, c = torch.randint(7, V, (30,)), torch.randint(7, V, (9,)), torch.randint(7, V, (21,))
+    with torch.no_grad():
+        ref = {k: loaded.model(x[None]).logits[0].float() for k, x in (("a", a), ("b", b), ("c", c))}
+    # step 1: prefill a[:20] (slot 2) and b[:8] (slot 0) together
+    out = sm.forward(torch.cat([a[:20], b[:8]]), [Segment(2, 0, 20), Segment(0, 0, 8)])
+    torch.testing.assert_close(out[0], ref["a"][19], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1], ref["b"][7], atol=1e-4, rtol=1e-4)
+    # step 2: decode b (slot 0), continue a's prefill from position 20, start c (slot 3)
+    out = sm.forward(torch.cat([b[8:9], a[20:], c]), [Segment(0, 8, 1), Segment(2, 20, 10), Segment(3, 0, 21)])
+    torch.testing.assert_close(out[0], ref["b"][8], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1], ref["a"][29], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[2], ref["c"][20], atol=1e-4, rtol=1e-4)
+    # non-contiguous decode slots
+    out = sm.forward(torch.tensor([5, 6]), [Segment(3, 21, 1), Segment(0, 9, 1)])
+    with torch.no_grad():
+        r3 = loaded.model(torch.cat([c, torch.tensor([5])])[None]).logits[0, -1]
+        r0 = loaded.model(torch.cat([b, torch.tensor([6])])[None]).logits[0, -1]
+    torch.testing.assert_close(out[0], r3, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1], r0, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_logits_equal_unchunked(loaded, chunk):
+    torch.manual_seed(2)
+    ids = torch.randint(7, loaded.model.config.vocab_size, (150,))
+    sm = SlotModel(loaded.model, 2, 256)
+    full = sm.forward(ids, [Segment(0, 0, 150)])[0]
+    last = None
+    for s in range(0, 150, chunk):
+        n = min(chunk, 150 - s)
+        last = sm.forward(ids[s:s + n], [Segment(1, s, n, want_logits=s + n == 150)])
+    torch.testing.assert_close(last[0], full, atol=1e-5, rtol=1e-5)
+    # and the caches agree, so later decodes agree too
+    torch.testing.assert_close(sm.k_cache[:, 1, :, :150], sm.k_cache[:, 0, :, :150], atol=1e-5, rtol=1e-5)
+
+
+def test_continuous_batching_greedy_equals_hf_generate(loaded):
+    tok = loaded.tokenizer
+    prompts = ["ROMEO. But soft", "To be, or not to be, that is the question: whether 'tis nobler in the mind",
+               "O", "MACBETH. Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day. " * 3,
+               "We are such stuff", "JULIET."]
+    eng = _engine(loaded, max_batch=3, chunk=8)  # 6 requests > 3 slots: join/leave while others run
+    try:
+        seqs = []
+        for i, p in enumerate(prompts):
+            s, c = _seq(loaded, tok(p)["input_ids"], max_tokens=10 + 3 * i, ignore_eos=True)
+            seqs.append((s, c))
+        eng.submit([s for s, _ in seqs[:2]])
+        time.sleep(0.05)
+        eng.submit([s for s, _ in seqs[2:]])
+        for s, c in seqs:
+            assert c.done.wait(60)
+            assert c.events[-1].finish_reason == "length"
+            assert s.out_ids == hf_greedy(loaded, s.prompt_ids, s.params.max_tokens)
+            assert c.text == tok.decode(s.out_ids, skip_special_tokens=True)
+        assert eng.num_running() == 0 and sorted(eng.free_slots) == [0, 1, 2]
+    finally:
+        eng.stop()
+
+
+def test_each_step_runs_all_decodes_then_bounded_prefill(loaded):
+    eng = _engine(loaded, max_batch=4, chunk=16)
+    seen = []
+    eng.step_hook = lambda segs: seen.append([(s.slot, s.length) for s in segs])
+    try:
+        short, c1 = _seq(loaded, [10, 11, 12], max_tokens=30, ignore_eos=True)
+        eng.submit([short])
+        while not short.out_ids:
+            time.sleep(0.001)
+        long_, c2 = _seq(loaded, list(range(7, 107)), max_tokens=2, ignore_eos=True)
+        eng.submit([long_])
+        assert c1.done.wait(30) and c2.done.wait(30)
+    finally:
+        eng.stop()
+    mixed = [st for st in seen if len(st) == 2]
+    assert mixed, "the long prefill was not interleaved with the running decode"
+    for st in seen:
+        assert sum(n for _, n in st if n > 1) <= 16  # prefill token budget per step
+    for st in mixed:
+        assert st[0][1] == 1  # the decode comes first
+
+
+def test_seeded_sampling_is_per_request(loaded):
+    ids = loaded.tokenizer("ROMEO.")["input_ids"]
+    eng = _engine(loaded)
+    try:
+        runs = []
+        for seed in (5, 5, 6):
+            s, c = _seq(loaded, ids, temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=20, ignore_eos=True)
+            eng.submit([s])
+            assert c.done.wait(30)
+            runs.append(s.out_ids)
+        torch.manual_seed(123)  # the global RNG has no influence
+        s, c = _seq(loaded, ids, temperature=1.0, top_p=0.9, top_k=50, seed=5, max_tokens=20, ignore_eos=True)
+        eng.submit([s])
+        assert c.done.wait(30)
+    finally:
+        eng.stop()
+    assert runs[0] == runs[1] == s.out_ids
+    assert runs[0] != runs[2]
+
+
+def test_sampler_penalties_follow_openai_definitions():
+    p = SamplingParams(max_tokens=1, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    st = SamplerState(p, prompt_ids=[1], vocab_size=5)
+    for t in (2, 2, 3):
+        st.observe(t)
+    x = torch.tensor([1.0, 2.0, -2.0, 4.0, 0.5])
+    got = st.process(x)
+    # repetition (CTRL): seen tokens 1,2,3 -> positive /2, negative *2; then presence/frequency on generated
+    exp = torch.tensor([1.0, 1.0, -4.0 - 0.5 - 2 * 0.25, 2.0 - 0.5 - 0.25, 0.5])
+    torch.testing.assert_close(got, exp)
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    for kw, allowed in (({"top_k": 2}, {0, 1}), ({"top_p": 0.7}, {0, 1}), ({"min_p": 0.4}, {0, 1}),
+                        ({"top_p": 0.45}, {0})):
+        st = SamplerState(SamplingParams(max_tokens=1, seed=0, **kw), [], 4)
+        got = {st.sample(logits) for _ in range(200)}
+        assert got == allowed, (kw, got)
+    st = SamplerState(SamplingParams(max_tokens=1, temperature=0.0), [], 4)
+    assert st.sample(logits) == 0
+
+
+def test_stop_strings_truncate_and_hold_back(loaded):
+    tok = loaded.tokenizer
+    ids = tok("ROMEO. But soft")["input_ids"]
+    eng = _engine(loaded)
+    try:
+        ref, c0 = _seq(loaded, ids, max_tokens=30, ignore_eos=True)
+        eng.submit([ref])
+        assert c0.done.wait(30)
+        full = c0.text
+        assert len(full) > 6
+        stop = full[3:6]
+        s, c = _seq(loaded, ids, max_tokens=30, ignore_eos=True, stop=["zzzz-never", stop])
+        eng.submit([s])
+        assert c.done.wait(30)
+    finally:
+        eng.stop()
+    assert c.events[-1].finish_reason == "stop"
+    assert c.text == full[:full.find(stop)]
+    assert stop not in c.text
+
+
+def test_cancel_frees_slot_within_one_step(loaded):
+    eng = _engine(loaded, max_batch=2)
+    steps_at_cancel = []
+    try:
+        s, c = _seq(loaded, [10, 11, 12], max_tokens=200, ignore_eos=True)
+        eng.submit([s])
+        while len(s.out_ids) < 3:
+            time.sleep(0.001)
+        steps_at_cancel.append(eng.steps)
+        eng.abort(s)
+        assert c.done.wait(10)
+        assert c.events[-1].finish_reason == "abort"
+        assert eng.steps - steps_at_cancel[0] <= 1
+        assert sorted(eng.free_slots) == [0, 1] and eng.num_running() == 0
+        # cancel while still waiting for a slot: never gets one
+        a, ca = _seq(loaded, [10, 11], max_tokens=100, ignore_eos=True)
+        b, cb = _seq(loaded, [10, 12], max_tokens=100, ignore_eos=True)
+        w, cw = _seq(loaded, [10, 13], max_tokens=100, ignore_eos=True)
+        eng.submit([a, b, w])
+        eng.abort(w)
+        assert cw.done.wait(10) and w.out_ids == []
+        eng.abort(a)
+        eng.abort(b)
+        assert ca.done.wait(10) and cb.done.wait(10)
+        assert eng.num_running() == 0 and eng.num_waiting() == 0
+    finally:
+        eng.stop()
+
+
+def test_step_failure_fails_sequences_and_engine_keeps_serving(loaded):
+    eng = _engine(loaded)
+    boom = {"n": 1}
+
+    def hook(segs):
+        if boom["n"]:
+            boom["n"] -= 1
+            raise RuntimeError("injected fault")
+
+    eng.step_hook = hook
+    try:
+        s, c = _seq(loaded, [10, 11], max_tokens=5)
+        eng.submit([s])
+        assert c.done.wait(10)
+        assert c.events[-1].finish_reason == "error" and "injected fault" in c.events[-1].error
+        s2, c2 = _seq(loaded, [10, 11], max_tokens=5, ignore_eos=True)
+        eng.submit([s2])
+        assert c2.done.wait(10) and c2.events[-1].finish_reason == "length"
+    finally:
+        eng.stop()
