@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from training.config import load_config
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: v for k, v in result.items() if k != "memory_report"}))
+    if os.environ.get("RANK", "0") == "0":  # one summary line, not one per process
+        print(json.dumps({k: v for k, v in result.items() if k != "memory_report"}))
     return 0
 
 

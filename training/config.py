@@ -129,20 +129,27 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 
 
-def _coerce(key: str, raw: str) -> Any:
-    """Parse an override value with YAML, so `lr=1e-3`, `lora=true`, `data=[a,b]` all work."""
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise UserError(f"override {key}={raw!r}: not a valid value ({e})") from None
-    hint = _HINTS[key]
-    if hint is float and isinstance(value, int):
-        value = float(value)
+def _normalize(key: str, value: Any) -> Any:
+    """Light coercions: `2e-3` (YAML 1.1 reads it as a string) to float, a lone string to a list."""
+    hint = _HINTS.get(key)
+    if hint is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if hint == list[str] and isinstance(value, str):
         value = [value]
     if hint is str and value is not None and not isinstance(value, str):
         value = str(value)
     return value
+
+
+def _coerce(key: str, raw: str) -> Any:
+    """Parse an override value with YAML, so `lr=1e-3`, `lora=true`, `data=[a,b]` all work."""
+    try:
+        return _normalize(key, yaml.safe_load(raw))
+    except yaml.YAMLError as e:
+        raise UserError(f"override {key}={raw!r}: not a valid value ({e})") from None
 
 
 def _check_types(values: dict[str, Any], source: str) -> None:
@@ -181,6 +188,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
             raise UserError(f"--config: {path} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
             raise UserError(f"--config: {path} must hold a mapping of config keys")
+        loaded = {k: _normalize(k, v) for k, v in loaded.items()}
         _check_types(loaded, path)
         values.update(loaded)
     for item in overrides:

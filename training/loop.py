@@ -22,6 +22,7 @@ from training import precision as amp
 from training.config import TrainConfig
 from training.errors import UserError
 from training.memory import ActivationMeter, MemoryReport, fill_static
+from training.model import check_checkpoint_dir
 from training.setup import (
     get_model,
     get_tokenizer,
@@ -101,11 +102,14 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
     """Run training; returns the final metrics. `on_step(step, row)` is called after every step."""
     acc = Accelerator(cpu=not torch.cuda.is_available())
     out = Path(cfg.output_dir)
+    # Validate every input before the output dir is touched (--overwrite deletes only after this).
+    if cfg.model_path:
+        check_checkpoint_dir(cfg.model_path, cfg.allow_pickle)
+    train_docs, val_docs = read_split(cfg)
     resume_from = prepare_output_dir(out, resume, overwrite) if acc.is_main_process else None
     acc.wait_for_everyone()
     if resume and resume_from is None:
         resume_from = ckpt.find_checkpoint(out / "last")
-    train_docs, val_docs = read_split(cfg)
     tokenizer = get_tokenizer(cfg, out, train_docs, acc)
     data = load_data(cfg, tokenizer, train_docs, val_docs)
     prec = amp.resolve(cfg.precision, acc.device)

@@ -18,10 +18,10 @@ def check_checkpoint_dir(path: str, allow_pickle: bool) -> None:
         raise UserError(f"model_path: {path} is not a directory")
     if not (p / "config.json").is_file():
         raise UserError(f"model_path: {path} has no config.json")
-    has_safetensors = any(p.glob("*.safetensors"))
-    has_pickle = any(p.glob("*.bin")) or any(p.glob("*.pt")) or any(p.glob("*.pth"))
+    has_safetensors = any(p.glob("model*.safetensors"))
+    has_pickle = any(p.glob("pytorch_model*.bin"))
     if not has_safetensors and not has_pickle:
-        raise UserError(f"model_path: {path} holds no weights (*.safetensors)")
+        raise UserError(f"model_path: {path} holds no weights (model*.safetensors)")
     if not has_safetensors and has_pickle and not allow_pickle:
         raise UserError(
             f"model_path: {path} holds only pickle weights (.bin), which can run arbitrary code when loaded; "
@@ -32,7 +32,7 @@ def check_checkpoint_dir(path: str, allow_pickle: bool) -> None:
 def load_pretrained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False,
                     **kwargs: Any) -> torch.nn.Module:
     check_checkpoint_dir(path, allow_pickle)
-    has_safetensors = any(Path(path).glob("*.safetensors"))
+    has_safetensors = any(Path(path).glob("model*.safetensors"))
     try:
         return AutoModelForCausalLM.from_pretrained(
             path, use_safetensors=has_safetensors, trust_remote_code=trust_remote_code,

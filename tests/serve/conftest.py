@@ -14,6 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.tokenizer import train_bpe
 
+# tiny models: intra-op threading only adds sync overhead (and stalls badly on a loaded 2-core box)
+torch.set_num_threads(1)
+
 TEXT = """ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.
 JULIET. O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.
 HAMLET. To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer
@@ -70,6 +73,8 @@ class LiveServer:
                     return self
             except httpx.HTTPError:
                 pass
+            if self.state.status == "failed":
+                raise RuntimeError(f"server failed to load: {self.state.error}")
             time.sleep(0.05)
         raise RuntimeError("server did not become ready")
 

@@ -1,0 +1,285 @@
+"""HTTP tests against a live uvicorn on 127.0.0.1: openai client, SSE format, errors, disconnects, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import hf_greedy, make_server, metric
+
+
+def _client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "x"), max_retries=0, **kw)
+
+
+def _wait_idle(server, timeout=10.0):
+    eng = server.state.engine
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if eng.num_running() == 0 and eng.num_waiting() == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine not idle: running={eng.num_running()} waiting={eng.num_waiting()}")
+
+
+def _expected_text(loaded, prompt_ids, max_tokens):
+    ref = hf_greedy(loaded, prompt_ids, max_tokens)
+    cut = [i for i, t in enumerate(ref) if t in loaded.eos_ids]
+    if cut:
+        return loaded.tokenizer.decode(ref[:cut[0]], skip_special_tokens=True), "stop"
+    return loaded.tokenizer.decode(ref, skip_special_tokens=True), "length"
+
+
+def test_openai_client_completion_greedy_equals_hf(server, loaded):
+    c = _client(server)
+    prompt = "ROMEO. But soft, what light"
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    exp, reason = _expected_text(loaded, loaded.tokenizer(prompt)["input_ids"], 20)
+    assert r.choices[0].text == exp
+    assert r.choices[0].finish_reason == reason
+    assert r.usage.prompt_tokens == len(loaded.tokenizer(prompt)["input_ids"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_openai_client_chat_and_stream(server, loaded):
+    c = _client(server)
+    msgs = [{"role": "user", "content": "Who is Juliet?"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0)
+    tok = loaded.tokenizer
+    ids = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    exp, reason = _expected_text(loaded, ids, 16)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == exp and r.choices[0].finish_reason == reason
+    parts, reasons, usage = [], [], None
+    for ch in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}):
+        if ch.usage is not None:
+            usage = ch.usage
+        for choice in ch.choices:
+            parts.append(choice.delta.content or "")
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    assert "".join(parts) == exp and reasons == [reason]
+    assert usage is not None and usage.prompt_tokens == len(ids)
+    # completions streaming with the client as well
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny", prompt="ROMEO.", max_tokens=12, temperature=0, stream=True) if ch.choices)
+    assert text == c.completions.create(model="tiny", prompt="ROMEO.", max_tokens=12, temperature=0).choices[0].text
+
+
+def test_sse_wire_format(server):
+    body = {"model": "tiny", "prompt": "JULIET.", "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "logprobs": 2}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    lps = [c["choices"][0]["logprobs"] for c in chunks[:-1] if c["choices"][0]["logprobs"]]
+    assert len(lps) == 8 and all(len(lp["top_logprobs"][0]) == 2 for lp in lps)
+    assert all(lp["token_logprobs"][0] <= 0 for lp in lps)
+
+
+def test_n_and_seed_and_batch_prompts(server):
+    c = _client(server)
+    r = c.completions.create(model="tiny", prompt=["ROMEO.", "HAMLET."], n=2, max_tokens=10, temperature=1.0,
+                             seed=7, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    r2 = c.completions.create(model="tiny", prompt=["ROMEO.", "HAMLET."], n=2, max_tokens=10, temperature=1.0,
+                              seed=7, extra_body={"ignore_eos": True})
+    assert [ch.text for ch in r.choices] == [ch.text for ch in r2.choices]
+    assert r.usage.completion_tokens == 40
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 3}, 400, "prompt"),  # FastAPI 422 mapped to 400
+    ({"prompt": "x", "model": "nope"}, 404, "model"),
+    ({"prompt": [999999]}, 400, "prompt"),
+    ({"prompt": "to be " * 400}, 400, "prompt"),  # longer than max_seq_len=256
+])
+def test_error_shapes(server, body, status, param):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_error_shapes_misc(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.get(server.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * (5 * 1024 * 1024), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.NotFoundError):
+        _client(server).completions.create(model="other", prompt="x", max_tokens=2)
+    # max_tokens beyond the context is capped, not refused
+    r = _client(server).completions.create(model="tiny", prompt="to be " * 100, max_tokens=10_000,
+                                           extra_body={"ignore_eos": True}, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 256
+
+
+def test_api_key(model_dir, loaded):
+    s = make_server(model_dir, loaded, max_batch=2, max_seq_len=64, api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            _client(s, api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
+        r = httpx.get(s.url + "/v1/models", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert _client(s, api_key="s3cret").completions.create(model="tiny", prompt="x", max_tokens=2).choices
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_health_503_while_loading(model_dir, loaded):
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(30)
+        return loaded
+
+    from serve.api import ServeConfig, create_app
+
+    from .conftest import LiveServer
+
+    s = LiveServer(create_app(ServeConfig(model_path=model_dir, max_seq_len=64), load_fn=slow)).start(False)
+    try:
+        r = httpx.get(s.url + "/health", timeout=10)
+        assert r.status_code == 503
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert "retry-after" in r.headers
+        gate.set()
+        assert s.state.ready_event.wait(30)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    finally:
+        gate.set()
+        s.stop()
+
+
+def test_queue_full_429(model_dir, loaded):
+    s = make_server(model_dir, loaded, max_batch=1, max_seq_len=256, max_queue=1)
+    try:
+        eng = s.state.engine
+        release = threading.Event()
+        eng.step_hook = lambda segs: release.wait(10)  # hold the engine so requests pile up
+        body = {"prompt": "x", "max_tokens": 3}
+        results = []
+        ts = [threading.Thread(target=lambda: results.append(httpx.post(s.url + "/v1/completions", json=body,
+                                                                         timeout=30)))
+              for _ in range(2)]
+        for t in ts:
+            t.start()
+        deadline = time.time() + 10
+        while eng.num_running() + eng.num_waiting() < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            _client(s).completions.create(model="tiny", prompt="x", max_tokens=2)
+        release.set()
+        eng.step_hook = None
+        for t in ts:
+            t.join(30)
+        assert [x.status_code for x in results] == [200, 200]
+    finally:
+        s.stop()
+
+
+def test_error_mid_stream_is_a_data_chunk_then_done(server):
+    eng = server.state.engine
+    n = {"steps": 0}
+
+    def hook(segs):
+        n["steps"] += 1
+        if n["steps"] == 4:
+            raise RuntimeError("injected fault")
+
+    eng.step_hook = hook
+    try:
+        body = {"prompt": "ROMEO.", "max_tokens": 30, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            raw = r.read().decode()
+    finally:
+        eng.step_hook = None
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])
+    assert "injected fault" in err["error"]["message"] and err["error"]["type"] == "server_error"
+    _wait_idle(server)
+
+
+def _slow_engine(server, delay):
+    server.state.engine.step_hook = lambda segs: time.sleep(delay)
+
+
+def test_stream_disconnect_cancels_sequence(server):
+    _slow_engine(server, 0.01)
+    try:
+        body = {"prompt": "ROMEO.", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            it = r.iter_lines()
+            first = next(line for line in it if line.startswith("data: "))
+            assert first
+            assert server.state.engine.num_running() == 1
+        _wait_idle(server, 2)
+    finally:
+        server.state.engine.step_hook = None
+
+
+def test_nonstream_disconnect_cancels_and_during_prefill(server):
+    eng = server.state.engine
+    _slow_engine(server, 0.02)
+    try:
+        for body in ({"prompt": "ROMEO.", "max_tokens": 200, "ignore_eos": True},
+                     {"prompt": "to be or not " * 40, "max_tokens": 5, "stream": True}):  # prefill: ~10 chunks
+            gen0 = metric(httpx.get(server.url + "/metrics").text, "memfit:generation_tokens_total")
+            try:
+                httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
+                raise AssertionError("expected the client to time out")
+            except httpx.TimeoutException:
+                pass
+            _wait_idle(server, 1.0)  # freed within a step or two of the disconnect (steps take >= 20 ms)
+            gen = metric(httpx.get(server.url + "/metrics").text, "memfit:generation_tokens_total") - gen0
+            if "stream" in body:
+                assert gen == 0, "the disconnect should have landed during prefill"
+            else:
+                assert 0 < gen < 200
+        assert sorted(eng.free_slots) == list(range(eng.max_batch))
+    finally:
+        eng.step_hook = None
+
+
+def test_metrics_exposed(server):
+    c = _client(server)
+    before = httpx.get(server.url + "/metrics", timeout=10).text
+    c.completions.create(model="tiny", prompt="ROMEO.", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("memfit:prompt_tokens_total", "memfit:generation_tokens_total", "memfit:num_requests_running",
+                 "memfit:num_requests_waiting", "memfit:kv_cache_usage_perc",
+                 "memfit:time_to_first_token_seconds_count",
+                 "memfit:inter_token_latency_seconds_count", "memfit:e2e_request_latency_seconds_count",
+                 "memfit:request_queue_time_seconds_count"):
+        metric(text, name)
+    assert metric(text, "memfit:generation_tokens_total") - metric(before, "memfit:generation_tokens_total") == 5
+    assert metric(text, "memfit:num_requests_running") == 0
