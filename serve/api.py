@@ -158,7 +158,8 @@ def _warmup(sm: SlotModel) -> None:
     from serve.model import Segment
 
     sm.forward(torch.zeros(8, dtype=torch.long), [Segment(0, 0, 8)])
-    sm.forward(torch.zeros(2, dtype=torch.long), [Segment(0, 8, 1), Segment(1, 0, 1)])
+    other = 1 if sm.max_batch > 1 else 0
+    sm.forward(torch.zeros(2, dtype=torch.long), [Segment(0, 8, 1), Segment(other, 9 * (1 - other), 1)])
 
 
 def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,

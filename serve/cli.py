@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before cancelling them")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -55,6 +56,8 @@ def validate(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if not lo <= v <= hi:
             raise UserError(f"--{name.replace('_', '-')} must be in {lo}..{hi}, got {v}")
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        raise UserError(f"--threads must be in 1..1024, got {args.threads}")
     if args.graceful_timeout < 0:
         raise UserError("--graceful-timeout must be >= 0")
     check_checkpoint_dir(args.model, allow_pickle=False)
@@ -84,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import torch
     import uvicorn
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from serve.api import ServeConfig, create_app
 
