@@ -6,11 +6,13 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from serve.loader import DEFAULT_MODEL
 from training.errors import UserError
+
+DEFAULT_MODEL = "models/shakespeare-llama"  # as in serve.loader; here so bad input fails before importing torch
 
 log = logging.getLogger("serve")
 
@@ -47,8 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from training.model import check_checkpoint_dir
-
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     for name, lo, hi in (("max_batch", 1, 1024), ("prefill_chunk", 1, 1 << 20), ("max_queue", 0, 1 << 20),
@@ -60,9 +60,17 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--threads must be in 1..1024, got {args.threads}")
     if args.graceful_timeout < 0:
         raise UserError("--graceful-timeout must be >= 0")
-    check_checkpoint_dir(args.model, allow_pickle=False)
-    if not any(Path(args.model).glob("*.safetensors")):
-        raise UserError(f"--model: {args.model} has no *.safetensors weights (pickle checkpoints are refused)")
+    # the same checks as training.model.check_checkpoint_dir (run again at load), without importing torch
+    m = Path(args.model)
+    if not m.is_dir():
+        raise UserError(f"--model: {args.model} is not a directory")
+    if not (m / "config.json").is_file():
+        raise UserError(f"--model: {args.model} has no config.json")
+    if not any(m.glob("*.safetensors")):
+        pickle = any(m.glob("*.bin")) or any(m.glob("*.pt")) or any(m.glob("*.pth"))
+        raise UserError(f"--model: {args.model} has no *.safetensors weights"
+                        + (" (pickle-only checkpoints are refused: they can run arbitrary code when loaded)"
+                           if pickle else ""))
     try:
         cfg = json.loads((Path(args.model) / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -117,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     state.on_failed = on_failed
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown; a no-op handler makes that exit 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
     log.info("serve: model %s on http://%s:%d (health 503 until loaded)", args.model, args.host, args.port)
     server.run()
     if failure:

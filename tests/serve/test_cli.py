@@ -1,0 +1,88 @@
+"""The ``serve`` command as a subprocess: bad input exits 2; SIGTERM drains in-flight requests and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/nonexistent/dir"], "not a directory"),
+    (["--port", "99999"], "--port"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--max-seq-len", "100000"], "max_position_embeddings"),
+    (["--dtype", "fp8"], "invalid choice"),
+])
+def test_bad_cli_input_exits_2(model_dir, args, needle):
+    if "--model" not in args:
+        args = ["--model", model_dir] + args
+    r = subprocess.run([sys.executable, "-m", "serve", *args], capture_output=True, text=True, timeout=60, env=ENV)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+
+
+def test_pickle_only_checkpoint_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    r = subprocess.run([sys.executable, "-m", "serve", "--model", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, env=ENV)
+    assert r.returncode == 2 and "pickle" in r.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_and_exits_0(model_dir):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = subprocess.Popen([sys.executable, "-m", "serve", "--model", model_dir, "--port", str(port), "--threads", "1",
+                          "--max-seq-len", "512", "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.1)
+        else:
+            raise AssertionError("server did not become healthy")
+        body = {"prompt": "ROMEO.", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        n, sent, last = 0, False, ""
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                last = line
+                if line != "data: [DONE]":
+                    ch = json.loads(line[6:])
+                    if ch.get("usage"):
+                        n = ch["usage"]["completion_tokens"]
+                if not sent:
+                    p.send_signal(signal.SIGTERM)
+                    sent = True
+        assert last == "data: [DONE]" and n == 400  # the in-flight stream ran to completion
+        assert p.wait(30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
