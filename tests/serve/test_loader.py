@@ -1,0 +1,64 @@
+"""Loading: compress dispatch on quantization_config, load-time quantization through the engine, dtypes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+
+from serve.loader import load
+from serve.model import Segment, SlotModel
+from training.errors import UserError
+
+
+def test_quantization_config_dispatches_to_compress_load(model_dir, loaded, tmp_path, monkeypatch):
+    d = tmp_path / "q"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "memfit", "bits": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    calls = []
+    fake = types.ModuleType("compress")
+
+    def fake_load(path, device="cpu"):
+        calls.append((path, device))
+        return loaded.model
+
+    fake.load = fake_load
+    monkeypatch.setitem(sys.modules, "compress", fake)
+    out = load(str(d))
+    assert calls == [(str(d), "cpu")] and out.model is loaded.model and out.quantized == "compress"
+    with pytest.raises(UserError):
+        load(str(d), quantize="int8")
+
+
+@pytest.mark.parametrize("method", ["int8", "nf4"])
+def test_load_time_quantization_runs_in_the_slot_engine(model_dir, loaded, method):
+    if method == "nf4":
+        pytest.importorskip("bitsandbytes")
+    q = load(model_dir, quantize=method)
+    assert q.quantized == method
+    lin = q.model.model.layers[0].self_attn.q_proj
+    assert type(lin) is not torch.nn.Linear
+    ids = torch.tensor(loaded.tokenizer("ROMEO. But soft, what light")["input_ids"])
+    got = SlotModel(q.model, 1, 64).forward(ids, [Segment(0, 0, len(ids))])[0]
+    ref = SlotModel(loaded.model, 1, 64).forward(ids, [Segment(0, 0, len(ids))])[0]
+    assert torch.isfinite(got).all()
+    # quantization error is visible but small against the logit spread
+    assert not torch.equal(got, ref)
+    assert (got - ref).abs().max() < 0.25 * (ref.max() - ref.min())
+
+
+def test_bf16_dtype(model_dir, loaded):
+    b = load(model_dir, dtype="bf16")
+    sm = SlotModel(b.model, 1, 32)
+    assert sm.k_cache.dtype == torch.bfloat16
+    ids = torch.tensor([10, 11, 12, 13])
+    got = sm.forward(ids, [Segment(0, 0, 4)])[0]
+    with torch.no_grad():
+        ref = b.model(ids[None]).logits[0, -1].float()
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
