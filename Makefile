@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CONSTRAINTS ?= -c constraints-cpu.txt
 MODEL  ?= models/shakespeare-llama
 
-.PHONY: install demo test lint data bench-training clean
+.PHONY: install demo test lint data shakespeare-model bench-training clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ lint: install
 
 data: install
 	$(PY) -m training.shakespeare --dest .cache/shakespeare
+
+# Reproduce the shipped default model (about 45 minutes on 2 CPU cores).
+shakespeare-model: data
+	$(PY) -m training --config configs/train/shakespeare.yaml --overwrite
+	$(PY) -m training.export runs/shakespeare $(MODEL) --overwrite --command "make shakespeare-model"
 
 bench-training: install
 	$(PY) bench/training_memory.py

@@ -21,28 +21,37 @@ STATE_JSON = "training_state.json"
 STATE_TENSORS = "training_state.safetensors"
 
 
+def _pack(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replace every tensor inside nested dicts/lists by a named placeholder (bitsandbytes nests them)."""
+    if torch.is_tensor(obj):
+        # clone: bitsandbytes shares its quantization maps between params, and safetensors refuses aliases
+        tensors[key] = obj.detach().cpu().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        return {str(k): _pack(v, f"{key}.{k}", tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_pack(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def _unpack(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        return {k: _unpack(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unpack(v, tensors) for v in obj]
+    return obj
+
+
 def flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    meta: dict[str, Any] = {"param_groups": sd["param_groups"], "state": {}}
     tensors: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        entry = {}
-        for key, value in st.items():
-            if torch.is_tensor(value):
-                tensors[f"optimizer.{idx}.{key}"] = value.detach().contiguous().cpu()
-                entry[key] = {"__tensor__": f"optimizer.{idx}.{key}"}
-            else:
-                entry[key] = value
-        meta["state"][str(idx)] = entry
-    return meta, tensors
+    state = {str(idx): _pack(st, f"optimizer.{idx}", tensors) for idx, st in sd["state"].items()}
+    return {"param_groups": sd["param_groups"], "state": state}, tensors
 
 
 def unflatten_optimizer(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    state = {}
-    for idx, entry in meta["state"].items():
-        state[int(idx)] = {
-            k: tensors[v["__tensor__"]] if isinstance(v, dict) and "__tensor__" in v else v
-            for k, v in entry.items()
-        }
+    state = {int(idx): _unpack(entry, tensors) for idx, entry in meta["state"].items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 

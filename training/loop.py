@@ -236,7 +236,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
     bar.close()
     if metrics:
         metrics.close()
-    if (cfg.lora or cfg.qlora) and acc.is_main_process and step == cfg.max_steps and not cfg.qlora:
+    if cfg.lora and not cfg.qlora and acc.is_main_process and step == cfg.max_steps:  # 4-bit bases don't merge
         merged = acc.unwrap_model(model).merge_and_unload()
         ckpt.atomic_dir(out / "merged", lambda d: (merged.save_pretrained(d), tokenizer.save_pretrained(d)))
     acc.wait_for_everyone()

@@ -101,3 +101,13 @@ def test_lora_trains_only_adapters_and_writes_merged_model(make_cfg, tmp_path):
     after = merged.state_dict()
     changed = {n for n in before if not torch.equal(before[n], after[n])}
     assert changed and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in changed)
+
+
+def test_adamw8bit_saves_and_resumes(make_cfg):
+    cfg = make_cfg(optimizer="adamw8bit", max_steps=3, save_every=2, block_size=32)
+    fp32 = train(make_cfg(max_steps=1, output_dir=cfg.output_dir + "-fp32"), memory_report=True)
+    first = train(cfg, memory_report=True)
+    rep8, rep32 = first["memory_report"], fp32["memory_report"]
+    assert rep8["optimizer_state"] < 0.5 * rep32["optimizer_state"]  # 8-bit moments (+ fp32 for tiny tensors)
+    cfg.max_steps = 5
+    assert train(cfg, resume=True)["step"] == 5  # nested bitsandbytes state round-trips through safetensors
