@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CONSTRAINTS ?= -c constraints-cpu.txt
 MODEL  ?= models/shakespeare-llama
 
-.PHONY: install demo test lint data shakespeare-model bench-training clean
+.PHONY: install demo test lint lint-docker data shakespeare-model bench-training clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +19,13 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m training.generate --model $(MODEL) --prompt "ROMEO. " --max-new-tokens 80
 
-test: install
+test: install lint-docker
 	$(PY) -m ruff check .
 	$(PY) -m pytest tests
+
+# No Docker engine here: lint the Dockerfile; tests/test_end_to_end.py runs its entrypoint for real.
+lint-docker: install
+	$(VENV)/bin/hadolint Dockerfile
 
 lint: install
 	$(PY) -m ruff check .
