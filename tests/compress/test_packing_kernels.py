@@ -41,7 +41,9 @@ def test_rtn_error_bounded_by_half_step(bits: int, sym: bool) -> None:
     w = torch.randn(32, 256, generator=torch.Generator().manual_seed(0))
     q = rtn(w, QuantArgs(bits, 64, sym))
     err = (q.dequantize() - w).abs().view(32, 4, 64)
-    assert (err <= q.scale.unsqueeze(-1) * 0.5 + 1e-6).all()
+    # half a step, plus how far the clipped extreme can overshoot under an fp16-rounded scale
+    bound = 0.5 + (2 ** (bits - 1) if sym else 2**bits - 1) * 2**-11
+    assert (err <= q.scale.unsqueeze(-1) * bound + 1e-6).all()
     assert int(q.codes.max()) < 2**bits
 
 

@@ -1,0 +1,91 @@
+"""`compress eval` and `compress info`: perplexity, size on disk, decode speed; a model dir's summary."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.store import WeightSource, dir_bytes, read_config
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = 512, batch: int = 8) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of seqlen tokens."""
+    n = (tokens.numel() // seqlen) * seqlen
+    windows = [tokens[:n].view(-1, seqlen)] if n else []
+    if tokens.numel() - n >= 2:
+        windows.append(tokens[n:].view(1, -1))
+    dev = next(model.parameters(), torch.empty(0)).device
+    if any(True for _ in model.buffers()):
+        dev = next(model.buffers()).device
+    nll, count = 0.0, 0
+    for w in windows:
+        for i in range(0, w.shape[0], batch):
+            x = w[i : i + batch].to(dev)
+            logits = model(input_ids=x).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                     x[:, 1:].reshape(-1), reduction="sum")
+            nll += loss.item()
+            count += x[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16, repeats: int = 1) -> float:
+    """Greedy batch-1 decode tokens/s with the KV cache (prompt prefill excluded by a 1-token run)."""
+    vocab = model.config.vocab_size
+    dev = next(model.parameters()).device
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kw)
+        t2 = time.perf_counter()
+        best = min(best, (t2 - t1) - (t1 - t0))
+    return new_tokens / max(best, 1e-9)
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """Config and on-disk summary of a model dir (no weights loaded)."""
+    path = Path(path)
+    src = WeightSource(path)
+    cfg = read_config(path)
+    qc = cfg.get("quantization_config") or {}
+    kinds: dict[str, int] = {}
+    params = 0
+    for k in src.keys():
+        f = src.key_file[k]
+        sl = src.handles[f].get_slice(k)
+        dtype = sl.get_dtype()
+        kinds[dtype] = kinds.get(dtype, 0) + 1
+        if not k.endswith(("weight_shape", "weight_scale", "weight_zero_point")):
+            params += math.prod(sl.get_shape())
+    memfit = qc.get("memfit", {})
+    return {
+        "path": str(path), "model_type": cfg.get("model_type"), "layers": cfg.get("num_hidden_layers"),
+        "hidden": cfg.get("hidden_size"), "vocab": cfg.get("vocab_size"),
+        "quant_method": qc.get("quant_method", "none"), "method": memfit.get("method", "-"),
+        "bits": memfit.get("bits", "-"), "group_size": memfit.get("group_size", "-"),
+        "symmetric": memfit.get("symmetric", "-"), "skipped": memfit.get("skipped", []),
+        "group_size_fallbacks": memfit.get("group_size_fallbacks", {}),
+        "tensors": len(src.keys()), "dtypes": kinds, "stored_elements": params,
+        "weights_bytes": dir_bytes(path), "dir_bytes": dir_bytes(path, "*"),
+    }
+
+
+def format_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+    width = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, width, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in width) + "|"
+    body = ["| " + " | ".join(v.ljust(w) for v, w in zip(row, width, strict=True)) + " |" for row in cells]
+    return "\n".join([line, sep, *body])

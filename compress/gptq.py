@@ -1,0 +1,140 @@
+"""GPTQ (Frantar et al. 2022): second-order weight quantization from calibration activations.
+
+For each Linear, H = 2/n * sum x x^T over its calibration inputs; columns are quantized one at a time
+and the rounding error is spread onto the not-yet-quantized columns through the Cholesky factor of
+H^-1 (damped by 1% of mean(diag H)), with lazy batch updates per block of 128 columns. Optional
+act-order processes columns by decreasing diag(H) and uses static groups (group parameters taken
+from the un-updated weight), so the stored format needs no column permutation.
+Modules of a decoder layer are quantized true-sequentially: a group of Linears sharing an input
+(q/k/v, gate/up) sees the inputs produced by the already-quantized earlier ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compress.layerjob import LayerJob
+from compress.quant import QuantArgs, Quantized, qparams, quantize_codes
+from compress.rtn import rtn
+
+NEEDS_CALIBRATION = True
+
+
+class Hessian:
+    def __init__(self, cols: int) -> None:
+        self.H = torch.zeros(cols, cols)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        m = x.shape[0]
+        self.H *= self.n / (self.n + m)
+        self.n += m
+        x = x * (2 / self.n) ** 0.5
+        self.H += x.t() @ x
+
+
+def _hinv_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """Upper Cholesky factor of the damped inverse Hessian; more damping if H is not positive definite."""
+    diag = torch.arange(H.shape[0])
+    damp = percdamp * torch.mean(torch.diag(H))
+    for _ in range(6):
+        Hd = H.clone()
+        Hd[diag, diag] += damp
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0:
+                return U
+        damp *= 10
+    raise RuntimeError("GPTQ: Hessian is not positive definite even with heavy damping")
+
+
+def gptq(w: torch.Tensor, H: torch.Tensor, args: QuantArgs, blocksize: int = 128, percdamp: float = 0.01,
+         act_order: bool = False) -> Quantized:
+    """Quantize weight w (out, in) given the input Hessian H (in, in)."""
+    W = w.detach().float().clone()
+    H = H.float().clone()
+    out, cols = W.shape
+    g = args.group_size
+    ng = cols // g
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    scale = torch.zeros(out, ng)
+    zero = torch.zeros(out, ng)
+    perm = None
+    if act_order:  # static groups: parameters from the original weight, before any error feedback
+        s, z = qparams(W.view(out, ng, g), args)
+        scale, zero = s, z
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    Hinv = _hinv_upper(H, percdamp)
+    blocksize = max(blocksize // g, 1) * g if g <= blocksize else g
+    Q = torch.zeros_like(W)
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if perm is not None:
+                gi = int(perm[col]) // g
+            else:
+                gi = col // g
+                if col % g == 0:  # groups never straddle blocks (blocksize is a multiple of g)
+                    s, z = qparams(W1[:, i : i + g].unsqueeze(1), args)
+                    scale[:, gi], zero[:, gi] = s[:, 0], z[:, 0]
+            s, z = scale[:, gi], zero[:, gi]
+            wcol = W1[:, i]
+            q = quantize_codes(wcol, s, z, args.maxq)
+            Q1[:, i] = q
+            err = (wcol - (q - z) * s) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Quantized(Q.to(torch.uint8), scale.float(), zero.to(torch.uint8), args.bits, g, args.sym)
+
+
+def sequential_groups(job: LayerJob) -> list[list[str]]:
+    """Linears in execution order, grouped when they read the same input tensor (q/k/v, gate/up)."""
+    seen: list[tuple[str, int]] = []
+
+    def hook(name: str):
+        return lambda x: seen.append((name, x.data_ptr())) if name not in {n for n, _ in seen} else None
+
+    first = LayerJob(job.layer, job.prefix, job.linears, job.args, job.config, job.inputs[:1])
+    first.run({n: hook(n) for n in job.linears})
+    groups: list[list[str]] = []
+    last_ptr = None
+    for name, ptr in seen:
+        if groups and ptr == last_ptr:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+        last_ptr = ptr
+    return groups
+
+
+def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
+    results: dict[str, Quantized] = {}
+    act_order = bool(job.options.get("act_order", False))
+    groups = sequential_groups(job)
+    seen = {n for grp in groups for n in grp}
+    for n in job.linears:  # a Linear the layer never calls gets no Hessian: plain RTN
+        if n not in seen:
+            results[n] = rtn(job.linears[n].weight.data, job.args[n])
+    for group in groups:
+        hs = {n: Hessian(job.linears[n].in_features) for n in group}
+        job.run({n: hs[n].add for n in group}, stop_early=True)
+        for n in group:
+            mod = job.linears[n]
+            results[n] = gptq(mod.weight.data, hs[n].H, job.args[n], act_order=act_order)
+            mod.weight.data = results[n].dequantize().to(mod.weight.dtype)
+    return results

@@ -1,0 +1,51 @@
+"""`compress.load(path, device)`: any memfit output (or plain HF dir) as a ready-to-run nn.Module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_module_tensor_to_device
+from torch import nn
+
+from compress import ctformat
+from compress.qlinear import QuantLinear
+from compress.skeleton import check_no_meta, fix_meta_buffers, hf_config, meta_model
+from compress.store import WeightSource, read_config
+from training.errors import UserError
+from training.model import load_pretrained
+
+
+def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False) -> nn.Module:
+    """Load a model dir for inference on device: our compressed-tensors output, bitsandbytes, or plain HF."""
+    path = str(path)
+    src = WeightSource(path)  # validates the dir and every shard header, safetensors only
+    qc = read_config(Path(path)).get("quantization_config")
+    if not qc:
+        return load_pretrained(path, trust_remote_code=trust_remote_code).to(device).eval()
+    method = qc.get("quant_method")
+    if method == "bitsandbytes":
+        return load_pretrained(path, trust_remote_code=trust_remote_code, device_map={"": device}).eval()
+    if method != "compressed-tensors":
+        raise UserError(f"{path}: quantization method {method!r} is not supported")
+    config = hf_config(path, trust_remote_code)
+    model = meta_model(config, trust_remote_code)
+    linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    per_module = ctformat.parse_config(qc, linear_names)
+    if not per_module:
+        raise UserError(f"{path}: quantization_config targets none of the model's Linear layers")
+    dev = torch.device(device)
+    for name, args in per_module.items():
+        q = ctformat.read_quantized(src.get, name, args)
+        bias = src.get(f"{name}.bias").float() if f"{name}.bias" in src else None
+        model.set_submodule(name, QuantLinear(q, bias, device=dev))
+    for name, _p in list(model.named_parameters()):
+        if name not in src and name.startswith("lm_head") and getattr(config, "tie_word_embeddings", False):
+            continue
+        set_module_tensor_to_device(model, name, dev, value=src.get(name).float())
+    if getattr(config, "tie_word_embeddings", False) and "lm_head" not in per_module:
+        model.tie_weights()
+    fix_meta_buffers(model, config)
+    model.to(dev)
+    check_no_meta(model, path)
+    return model.eval()
