@@ -249,13 +249,18 @@ class Engine:
             row += 1
             if s.cancelled:
                 continue
-            tok = s.sampler.sample(lg)
-            info = None
-            if s.params.logprobs is not None:
-                lp, top = top_logprobs(lg, tok, s.params.logprobs)
-                info = TokenInfo(tok, self._tok_text(tok), lp, [(self._tok_text(t), v) for t, v in top])
-            self._append(s, tok, info, now)
-            n_gen += 1
+            try:  # a failure in one sequence's sampling/detokenizing fails that sequence only
+                tok = s.sampler.sample(lg)
+                info = None
+                if s.params.logprobs is not None:
+                    lp, top = top_logprobs(lg, tok, s.params.logprobs)
+                    info = TokenInfo(tok, self._tok_text(tok), lp, [(self._tok_text(t), v) for t, v in top])
+                self._append(s, tok, info, now)
+                n_gen += 1
+            except Exception as e:  # noqa: BLE001
+                log.exception("sequence %d failed", s.id)
+                with self.lock:
+                    self._finish(s, "error", error=f"{type(e).__name__}: {e}")
         if m is not None:
             m.prompt_tokens.inc(n_prompt)
             m.generation_tokens.inc(n_gen)

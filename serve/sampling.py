@@ -64,10 +64,10 @@ class SamplerState:
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.p
-        x = self.process(logits)
-        if p.temperature == 0:
+        x = torch.nan_to_num(self.process(logits), nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
+        if p.temperature < 1e-5 or not torch.isfinite(x.max()):
             return int(torch.argmax(x))
-        x = x / p.temperature
+        x = (x - x.max()) / p.temperature
         if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -80,6 +80,8 @@ class SamplerState:
             drop = (cum - sp) > p.top_p * cum[-1]  # keep the smallest prefix reaching top_p (at least one)
             sp = sp.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        if not torch.isfinite(probs).all() or float(probs.sum()) <= 0:
+            return int(torch.argmax(x))
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -27,7 +27,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     ignore_eos: bool = False
     user: str | None = None
 

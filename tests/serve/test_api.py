@@ -283,3 +283,17 @@ def test_metrics_exposed(server):
         metric(text, name)
     assert metric(text, "memfit:generation_tokens_total") - metric(before, "memfit:generation_tokens_total") == 5
     assert metric(text, "memfit:num_requests_running") == 0
+
+
+@pytest.mark.parametrize("extra,status", [
+    ({"repetition_penalty": 5e-324}, 400),
+    ({"repetition_penalty": 0.01, "temperature": 2.0, "top_k": 166582, "frequency_penalty": -2.0}, 200),
+    ({"temperature": 1e-300, "presence_penalty": 2.0}, 200),
+    ({"stop": ["", "\u0000"], "top_p": 1e-9, "min_p": 1.0}, 200),
+])
+def test_extreme_sampling_params_never_500(server, extra, status):
+    body = {"prompt": "ROMEO. But soft", "max_tokens": 6, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
