@@ -54,7 +54,8 @@ def _quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
             raise UserError(f"--quantize nf4 needs bitsandbytes: {e}") from None
         for mod in layers.modules():
             for name, child in list(mod.named_children()):
-                if isinstance(child, torch.nn.Linear):
+                # bitsandbytes' CPU 4-bit kernels need in_features in whole 64-value blocks; others stay fp
+                if isinstance(child, torch.nn.Linear) and child.in_features % 64 == 0:
                     q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                           quant_type="nf4", compute_dtype=child.weight.dtype)
                     q.weight = bnb.nn.Params4bit(child.weight.data.float().contiguous(), requires_grad=False,

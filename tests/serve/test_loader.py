@@ -62,3 +62,20 @@ def test_bf16_dtype(model_dir, loaded):
     with torch.no_grad():
         ref = b.model(ids[None]).logits[0, -1].float()
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
+
+
+def test_compress_4bit_output_serves_and_matches_its_hf_forward(model_dir, tmp_path):
+    cli = pytest.importorskip("compress.cli")
+    out = tmp_path / "q4"
+    assert cli.main(["quantize", model_dir, "-o", str(out), "--bits", "4", "--method", "rtn",
+                     "--group-size", "32"]) == 0
+    q = load(str(out))
+    assert q.quantized == "compress"
+    assert type(q.model.model.layers[0].mlp.down_proj) is not torch.nn.Linear
+    ids = torch.tensor(q.tokenizer("ROMEO. But soft, what light")["input_ids"])
+    sm = SlotModel(q.model, 2, 64)
+    got = sm.forward(ids[:5], [Segment(1, 0, 5)])  # chunked over the quantized Linears
+    got = sm.forward(ids[5:], [Segment(1, 5, len(ids) - 5)])[0]
+    with torch.no_grad():
+        ref = q.model(ids[None]).logits[0, -1].float()
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
