@@ -38,7 +38,7 @@ class WeightSource:
             except (OSError, json.JSONDecodeError, KeyError) as e:
                 raise UserError(f"{index}: corrupt shard index ({e})") from None
         else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            files = weight_files(self.path)
         self.key_file: dict[str, str] = {}
         self.handles: dict[str, Any] = {}
         for f in files:
@@ -81,5 +81,13 @@ def copy_side_files(src: Path, dst: Path) -> None:
                 shutil.copy2(f, dst / f.name)
 
 
-def dir_bytes(path: Path, pattern: str = "*.safetensors") -> int:
-    return sum(f.stat().st_size for f in Path(path).glob(pattern) if f.is_file())
+def weight_files(path: Path) -> list[str]:
+    """Model weight files: *.safetensors except training state (optimizer) files."""
+    return sorted(p.name for p in Path(path).glob("*.safetensors") if not p.name.startswith("training_state"))
+
+
+def dir_bytes(path: Path, pattern: str | None = None) -> int:
+    """Bytes of the model weight files (or of every file matching pattern)."""
+    path = Path(path)
+    files = [path / f for f in weight_files(path)] if pattern is None else list(path.glob(pattern))
+    return sum(f.stat().st_size for f in files if f.is_file())
