@@ -43,3 +43,7 @@ bench-training: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+.PHONY: bench-quantize
+bench-quantize: install  ## compress: quality/size on the shipped model, decode speed on a ~100M random Llama
+	$(PY) bench/quantize.py --model $(MODEL)

@@ -16,8 +16,12 @@ from training.errors import UserError
 from training.model import load_pretrained
 
 
-def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False) -> nn.Module:
-    """Load a model dir for inference on device: our compressed-tensors output, bitsandbytes, or plain HF."""
+def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
+         backend: str | None = None) -> nn.Module:
+    """Load a model dir for inference on device: our compressed-tensors output, bitsandbytes, or plain HF.
+
+    backend forces a QuantLinear backend ("dequant" for the exact fp32 reference); default picks the fastest.
+    """
     path = str(path)
     src = WeightSource(path)  # validates the dir and every shard header, safetensors only
     qc = read_config(Path(path)).get("quantization_config")
@@ -38,7 +42,7 @@ def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False)
     for name, args in per_module.items():
         q = ctformat.read_quantized(src.get, name, args)
         bias = src.get(f"{name}.bias").float() if f"{name}.bias" in src else None
-        model.set_submodule(name, QuantLinear(q, bias, device=dev))
+        model.set_submodule(name, QuantLinear(q, bias, device=dev, backend=backend))
     for name, _p in list(model.named_parameters()):
         if name not in src and name.startswith("lm_head") and getattr(config, "tie_word_embeddings", False):
             continue
