@@ -320,8 +320,10 @@ def main() -> int:
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None, help="memfit --threads (default: torch default)")
+    ap.add_argument("--threads", type=int, default=None, help="memfit --threads (default: serve's, cores - 1)")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--peer-threads", default="default,1",
+                    help="thread settings to run the peer with: 'default' (torch's) and/or OMP_NUM_THREADS values")
     ap.add_argument("--skip-extra", action="store_true", help="skip memory and quantized runs")
     ap.add_argument("--model", default=None, help="use this model dir instead of building the random 30M one")
     args = ap.parse_args()
@@ -357,12 +359,15 @@ def main() -> int:
     mf += ["--threads", str(args.threads)] if args.threads else []
     servers = [Server("memfit", mf + ["--port", str(p := _free_port())], p, str(model_dir))]
     if not args.skip_peer:
-        for cb in (False, True):
-            p = _free_port()
-            cmd = [tf, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(p), "--device", "cpu",
-                   "--dtype", "float32", "--log-level", "warning"] + (["--continuous-batching"] if cb else [])
-            servers.append(Server("transformers" + (" --continuous-batching" if cb else ""), cmd, p,
-                                  str(model_dir)))
+        for threads in args.peer_threads.split(","):
+            for cb in (False, True):
+                p = _free_port()
+                cmd = [tf, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(p), "--device", "cpu",
+                       "--dtype", "float32", "--log-level", "warning"] + (["--continuous-batching"] if cb else [])
+                env = {} if threads == "default" else {"OMP_NUM_THREADS": threads}
+                name = "transformers" + (" --continuous-batching" if cb else "") + \
+                    ("" if threads == "default" else f" (OMP_NUM_THREADS={threads})")
+                servers.append(Server(name, cmd, p, str(model_dir), env=env))
     results = []
     notes = []
     for s in servers:
@@ -395,7 +400,7 @@ def main() -> int:
                 notes.append(f"{s.name} failed: {str(e)[:300]}")
         print("== prefill memory", flush=True)
         try:
-            memory = prefill_memory(model_dir, 2048, args.threads or 2)
+            memory = prefill_memory(model_dir, 2048, args.threads or max(1, (os.cpu_count() or 1) - 1))
             print(f"   {memory}", flush=True)
         except Exception as e:  # noqa: BLE001
             notes.append(f"prefill memory measurement failed: {str(e)[:300]}")

@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before cancelling them")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the engine (default: CPU cores - 1, at least 1: one core stays "
+                        "free for HTTP, tokenization and streaming; on a busy 2-core box 2 threads stall badly)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -98,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
 
     from serve.api import ServeConfig, create_app
 
