@@ -297,3 +297,19 @@ def test_extreme_sampling_params_never_500(server, extra, status):
     assert r.status_code == status, r.text
     if status == 200:
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_chat_logprobs_and_end_of_turn_marker(server, loaded):
+    vocab = loaded.tokenizer.get_vocab()
+    assert vocab["<|end|>"] in loaded.eos_ids and loaded.tokenizer.eos_token_id in loaded.eos_ids
+    r = _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Speak"}],
+                                                max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+                                                extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-5  # greedy: the sampled token is the top one
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                             "top_logprobs": 2}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
