@@ -14,9 +14,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.tokenizer import train_bpe
 
-# tiny models: intra-op threading only adds sync overhead (and stalls badly on a loaded 2-core box)
-torch.set_num_threads(1)
-
 TEXT = """ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.
 JULIET. O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.
 HAMLET. To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer
@@ -24,6 +21,16 @@ the slings and arrows of outrageous fortune, or to take arms against a sea of tr
 MACBETH. Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day.
 PROSPERO. We are such stuff as dreams are made on, and our little life is rounded with a sleep.
 """
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny models: intra-op threads only add sync overhead (and stall badly on a loaded 2-core box).
+    Scoped to this directory's tests; other packages' tests keep torch's setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_model_dir(path, seed: int = 0, layers: int = 2, hidden: int = 64, maxpos: int = 512):

@@ -86,3 +86,11 @@ def test_sigterm_finishes_in_flight_and_exits_0(model_dir):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_demo_streams_and_shuts_down(model_dir):
+    r = subprocess.run([sys.executable, "-m", "serve.demo", "--model", model_dir, "--max-tokens", "12",
+                        "--temperature", "0"], capture_output=True, text=True, timeout=180, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ROMEO. ") and len(r.stdout) > len("ROMEO. ")
+    assert "12 tokens in" in r.stderr
