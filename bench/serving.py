@@ -213,6 +213,7 @@ def bench_server(server: Server, levels: list[int], prompts: list[str], new_toke
             pi += n
             res = asyncio.run(run_level(server, ps, c, new_tokens))
             res["rss_mib"] = server.rss_mib()
+            res["load1"] = os.getloadavg()[0]
             print(f"   c={c:<3} n={n:<3} {res['tok_s']:7.1f} tok/s  TTFT p50 {res['ttft_p50']*1e3:7.0f} ms "
                   f"p95 {res['ttft_p95']*1e3:7.0f} ms  ITL p50 {res['itl_p50']*1e3:6.1f} ms "
                   f"p95 {res['itl_p95']*1e3:6.1f} ms  tokens/req {res['min_tokens']}-{res['max_tokens']}", flush=True)
@@ -267,15 +268,20 @@ def write_report(data: dict) -> None:
              f"Run {data['date']} on {data['machine']}. Model: random Llama, {data['params'] / 1e6:.1f}M params, fp32, "
              f"{data['model_desc']}. Requests: completions, streaming, greedy, ~{data['prompt_tokens']}-token "
              f"distinct prompts, {data['new_tokens']} new tokens each (EOS disabled, so every request generates "
-             f"exactly that many). Command: `{data['command']}`.", "",
+             f"exactly that many). Command: `{data['command']}`. Load: {data.get('load', '?')}.", "",
+             "gen tok/s = completion tokens of the level / its wall time; TTFT = send to first non-empty chunk; "
+             "ITL = per request (t_last_chunk - t_first_chunk) / (tokens - 1) (robust to servers that pack several "
+             "tokens per chunk); p50/p95 over the level's requests. Each level runs 2-3x its concurrency in "
+             "requests (6 at concurrency 1) by that many closed-loop clients.", "",
              "| server | concurrency | requests | gen tok/s | TTFT p50 (ms) | TTFT p95 (ms) | ITL p50 (ms) | "
-             "ITL p95 (ms) | server RSS (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ITL p95 (ms) | server RSS (MiB) | load avg 1 min |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in data["servers"]:
         for r in s["levels"]:
             lines.append(f"| {s['name']} | {r['concurrency']} | {r['requests']} | {r['tok_s']:.1f} | "
                          f"{r['ttft_p50'] * 1e3:.0f} | {r['ttft_p95'] * 1e3:.0f} | {r['itl_p50'] * 1e3:.1f} | "
-                         f"{r['itl_p95'] * 1e3:.1f} | {r.get('rss_mib', float('nan')):.0f} |")
+                         f"{r['itl_p95'] * 1e3:.1f} | {r.get('rss_mib', float('nan')):.0f} | "
+                         f"{r.get('load1', float('nan')):.1f} |")
     lines += ["", "## Targets", "", "| target | measured | result |", "|---|---|---|"]
     for t in data["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |")
@@ -443,7 +449,13 @@ def main() -> int:
         targets.append({"target": "2k prompt, chunk 256: activation peak <= 1/4 of unchunked",
                         "measured": f"{memory['chunk256']:.1f} vs {memory['unchunked']:.1f} MiB "
                                     f"({memory['ratio']:.3f})", "met": memory["ratio"] <= 0.25})
-    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    data_load = None
+    try:
+        data_load = "load average " + " / ".join(f"{x:.1f}" for x in os.getloadavg()) + \
+            " (1/5/15 min, at the end of the run; other jobs shared the 2 cores)"
+    except OSError:
+        pass
+    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": data_load,
             "machine": f"{os.cpu_count()} CPU cores, torch {__import__('torch').__version__}",
             "params": params, "model_desc": desc, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "command": "python " + " ".join(sys.argv), "servers": results, "targets": targets, "memory": memory,
