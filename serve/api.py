@@ -252,6 +252,12 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
         return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
                                             "owned_by": "memfit", "max_model_len": state.max_seq_len or None}]}
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
+    async def model_info(model_id: str):
+        check_model(model_id)
+        return {"id": state.name, "object": "model", "created": state.created, "owned_by": "memfit",
+                "max_model_len": state.max_seq_len or None}
+
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):
         engine = ready()

@@ -45,6 +45,9 @@ def test_openai_client_completion_greedy_equals_hf(server, loaded):
     assert r.usage.prompt_tokens == len(loaded.tokenizer(prompt)["input_ids"])
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert [m.id for m in c.models.list().data] == ["tiny"]
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("nope")
 
 
 def test_openai_client_chat_and_stream(server, loaded):
