@@ -110,7 +110,10 @@ class SlotModel:
         dec_slots = torch.tensor([segments[i].slot for i in dec_idx], dtype=torch.long)
         dec_len = torch.tensor([segments[i].start + 1 for i in dec_idx], dtype=torch.long)
         dec_max = int(dec_len.max()) if dec_idx else 0
-        dec_mask = (torch.arange(dec_max)[None, :] < dec_len[:, None])[:, None, None, :] if dec_idx else None
+        dec_mask = None  # no mask needed when every decode attends to the same number of positions
+        if dec_idx and int(dec_len.min()) != dec_max:
+            dec_mask = (torch.arange(dec_max)[None, :] < dec_len[:, None])[:, None, None, :]
+        all_dec = len(dec_idx) == len(segments)  # pure decode step: token order == decode order
         contiguous = bool(dec_idx) and dec_slots.tolist() == list(
             range(int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
@@ -125,15 +128,16 @@ class SlotModel:
             if hasattr(attn, "q_norm"):  # qwen3
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = torch.cat((q, k), dim=1)  # RoPE once over query and key heads
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :H], qk[:, H:]
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[slots, :, positions] = k.to(kc.dtype)
             vc[slots, :, positions] = v.to(vc.dtype)
 
-            out = torch.empty(T, H, D, dtype=q.dtype)
+            out = None if all_dec else torch.empty(T, H, D, dtype=q.dtype)
             if dec_idx:
-                qd = q[dec_tok][:, :, None, :]  # [n, H, 1, D]
+                qd = (q if all_dec else q[dec_tok])[:, :, None, :]  # [n, H, 1, D]
                 if contiguous:
                     a, b = int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)
                     kd, vd = kc[a:b, :, :dec_max], vc[a:b, :, :dec_max]
@@ -141,7 +145,10 @@ class SlotModel:
                     kd, vd = kc[dec_slots, :, :dec_max], vc[dec_slots, :, :dec_max]
                 od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=dec_mask,
                                                     scale=self.scale, enable_gqa=KV != H)
-                out[dec_tok] = od[:, :, 0, :]
+                if all_dec:
+                    out = od[:, :, 0, :]
+                else:
+                    out[dec_tok] = od[:, :, 0, :]
             for i, s in pre:
                 a, n = offsets[i], s.length
                 end = s.start + n
