@@ -58,7 +58,10 @@ def main() -> int:
         print(out[-6000:])
         res = ROOT / "bench" / "results"
         res.mkdir(parents=True, exist_ok=True)
-        summary = out[out.find("=== FAILURES") if "=== FAILURES" in out else max(0, out.find("=== SUMMARY")):]
+        summary = out[max(0, out.find("=== SUMMARY")):]
+        for head in ("=== FAILURES", "=== ERRORS"):
+            if head in out:  # keep the start of each section (tracebacks of schemathesis' own errors are long)
+                summary = out[out.find(head):][:3000] + "\n...\n" + summary
         (res / "serving_schemathesis.txt").write_text(f"$ {' '.join(cmd)}\n(exit {r.returncode})\n\n{summary}")
         alive = proc.poll() is None
         print(f"server still alive after fuzzing: {alive}")
