@@ -96,7 +96,7 @@ def test_quantize_lm_head_unties(tiny: Path, tmp_path: Path) -> None:
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
-@pytest.mark.parametrize("bits,extra", [(4, ["--asym"]), (4, ["--sym"]), (8, ["--sym"]), (8, ["--asym"])])
+@pytest.mark.parametrize("bits,extra", [(4, ["--asym"]), (4, ["--sym"]), (8, ["--sym"]), (8, ["--asym"]), (3, ["--asym"])])
 def test_plain_transformers_loads_our_output(tiny: Path, tmp_path: Path, bits: int, extra: list[str]) -> None:
     out = tmp_path / "q"
     quantize(tiny, out, "--method", "rtn", "--bits", str(bits), *extra)
@@ -174,3 +174,25 @@ def test_awq_scaling_keeps_the_float_function(tiny: Path) -> None:
     after = job.run()[0]
     assert any(not torch.allclose(orig[n], job.linears[n].weight, atol=1e-2) for n in names)  # scaled
     assert (after - before).abs().max() < 0.05 * before.abs().max()
+
+
+def test_one_decoder_layer_materialized_at_a_time(tiny: Path, tmp_path: Path, calib_file: Path, monkeypatch) -> None:
+    from compress import gptq, pipeline
+
+    seen: dict = {}
+    real_layers, real_quant = pipeline.decoder_layers, gptq.quantize_layer
+
+    def spy_layers(model, config):
+        seen["layers"] = real_layers(model, config)[1]
+        return real_layers(model, config)
+
+    def spy_quant(job):
+        live = [i for i, layer in enumerate(seen["layers"]) if not next(layer.parameters()).is_meta]
+        seen.setdefault("live", []).append(live)
+        return real_quant(job)
+
+    monkeypatch.setattr(pipeline, "decoder_layers", spy_layers)
+    monkeypatch.setattr(gptq, "quantize_layer", spy_quant)
+    quantize(tiny, tmp_path / "q", "--method", "gptq", "--calib", str(calib_file), "--calib-samples", "4",
+             "--calib-seqlen", "32")
+    assert seen["live"] == [[0], [1]]
