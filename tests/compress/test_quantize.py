@@ -96,7 +96,8 @@ def test_quantize_lm_head_unties(tiny: Path, tmp_path: Path) -> None:
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
-@pytest.mark.parametrize("bits,extra", [(4, ["--asym"]), (4, ["--sym"]), (8, ["--sym"]), (8, ["--asym"]), (3, ["--asym"])])
+@pytest.mark.parametrize("bits,extra", [(4, ["--asym"]), (4, ["--sym"]), (8, ["--sym"]), (8, ["--asym"]),
+                                        (3, ["--asym"])])
 def test_plain_transformers_loads_our_output(tiny: Path, tmp_path: Path, bits: int, extra: list[str]) -> None:
     out = tmp_path / "q"
     quantize(tiny, out, "--method", "rtn", "--bits", str(bits), *extra)
