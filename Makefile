@@ -35,7 +35,7 @@ data: install
 
 # Reproduce the shipped default model (about 45 minutes on 2 CPU cores).
 shakespeare-model: data
-	$(PY) -m training --config configs/train/shakespeare.yaml --overwrite
+	OMP_NUM_THREADS=1 $(PY) -m training --config configs/train/shakespeare.yaml --overwrite
 	$(PY) -m training.export runs/shakespeare $(MODEL) --overwrite --command "make shakespeare-model"
 
 bench-training: install

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -73,7 +72,9 @@ It is memfit's shipped default model: small enough to train, compress and serve 
   {', '.join(cfg['val_files'])} (never trained on).
 - Training: {final['step']} steps x {cfg['batch_size'] * cfg['grad_accum']} sequences x {cfg['block_size']} tokens
   ({n_tokens / 1e6:.2f}M tokens), AdamW lr {cfg['lr']} (warmup {cfg['warmup_steps']}, cosine to
-  {cfg['min_lr_ratio']}x), precision {cfg['precision']} (fp32 on CPU), seed {cfg['seed']}, on 2 CPU cores.
+  {cfg['min_lr_ratio']}x), precision {cfg['precision']} (fp32 on CPU), seed {cfg['seed']}, on 2 CPU cores:
+  {final['tokens_per_s']:.0f} tokens/s, so {n_tokens / final['tokens_per_s'] / 60:.0f} minutes of training steps
+  (evaluation aside).
 - Weights here: the `{which}` checkpoint (lowest validation loss).
 
 ## Results on the held-out plays
@@ -90,7 +91,7 @@ It is memfit's shipped default model: small enough to train, compress and serve 
 {curve}
 
 Perplexity is per BPE token of this tokenizer (not comparable to other vocabularies);
-a uniform guess would score {math.exp(math.log(cfg['vocab_size'])):.0f}.
+a uniform guess over the vocabulary would score {cfg['vocab_size']}.
 
 ## Reproduce
 
