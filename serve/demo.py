@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m serve.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--prompt", default="ROMEO. ")
+    p.add_argument("--prompt", default="ROMEO.")
     p.add_argument("--max-tokens", type=int, default=80)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions with the chat template")

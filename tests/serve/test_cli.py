@@ -92,5 +92,5 @@ def test_demo_streams_and_shuts_down(model_dir):
     r = subprocess.run([sys.executable, "-m", "serve.demo", "--model", model_dir, "--max-tokens", "12",
                         "--temperature", "0"], capture_output=True, text=True, timeout=180, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("ROMEO. ") and len(r.stdout) > len("ROMEO. ")
+    assert r.stdout.startswith("ROMEO.") and len(r.stdout) > len("ROMEO.")
     assert "12 tokens in" in r.stderr
