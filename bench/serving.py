@@ -331,6 +331,7 @@ def main() -> int:
     ap.add_argument("--peer-threads", default="default,1",
                     help="thread settings to run the peer with: 'default' (torch's) and/or OMP_NUM_THREADS values")
     ap.add_argument("--skip-extra", action="store_true", help="skip memory and quantized runs")
+    ap.add_argument("--no-variants", action="store_true", help="skip the memfit bf16 / 2-thread rows")
     ap.add_argument("--model", default=None, help="use this model dir instead of building the random 30M one")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -364,6 +365,10 @@ def main() -> int:
           "--max-seq-len", "1024", "--log-level", "warning"]
     mf += ["--threads", str(args.threads)] if args.threads else []
     servers = [Server("memfit", mf + ["--port", str(p := _free_port())], p, str(model_dir))]
+    if not args.no_variants:  # informational rows; the targets use the default configuration above
+        for name, extra in (("memfit --dtype bf16 (not fp32: info only)", ["--dtype", "bf16"]),
+                            ("memfit --threads 2", ["--threads", "2"])):
+            servers.append(Server(name, mf + extra + ["--port", str(p := _free_port())], p, str(model_dir)))
     if not args.skip_peer:
         for threads in args.peer_threads.split(","):
             for cb in (False, True):
