@@ -2,9 +2,13 @@
 
 Activation memory is measured with training.memory.ActivationMeter (bytes of distinct storages saved
 for backward, parameters excluded); step time is the median forward+backward+AdamW step. Ratios are
-against `checkpointing=none` measured in the same run, so machine noise mostly cancels.
+against `checkpointing=none` measured in the same run.
 
-    python bench/training_memory.py [--seqs 256,512,1024] [--batch 2] [--repeats 3]
+Step time is CPU time of the process by default (`--clock cpu`) with one torch thread: on a shared
+machine wall time mostly measures the neighbours (a 2-thread OpenMP step stalls whenever either
+thread is descheduled), while CPU time is the compute the step costs. `--clock wall` for a quiet box.
+
+    python bench/training_memory.py [--seqs 256,512,1024] [--batch 1] [--repeats 2] [--threads 1]
 Writes bench/results/training_memory.md and .png.
 """
 
@@ -26,7 +30,8 @@ MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidde
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
 
 
-def measure(seq: int, batch: int, checkpointing: str, precision: str, repeats: int) -> tuple[int, float]:
+def measure(seq: int, batch: int, checkpointing: str, precision: str, repeats: int,
+            clock=time.process_time) -> tuple[int, float]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL)).train()
     model.config.use_cache = False
@@ -38,7 +43,7 @@ def measure(seq: int, batch: int, checkpointing: str, precision: str, repeats: i
     inputs, targets = x[:, :-1], x[:, 1:]
     times, act = [], 0
     for i in range(repeats + 1):  # first step warms up allocator and kernels
-        t0 = time.perf_counter()
+        t0 = clock()
         with ActivationMeter(model) as meter, prec.autocast():
             logits = model(input_ids=inputs).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -46,7 +51,7 @@ def measure(seq: int, batch: int, checkpointing: str, precision: str, repeats: i
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         act = meter.bytes
     return act, statistics.median(times)
 
@@ -54,30 +59,34 @@ def measure(seq: int, batch: int, checkpointing: str, precision: str, repeats: i
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="256,512,1024")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--out", default="bench/results/training_memory")
     args = p.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     seqs = [int(s) for s in args.seqs.split(",")]
     rows = []
     for precision in args.precisions.split(","):
         for seq in seqs:
             base = None
             for ck in ("none", "full"):
-                act, t = measure(seq, args.batch, ck, precision, args.repeats)
+                act, t = measure(seq, args.batch, ck, precision, args.repeats, clock)
                 base = base or (act, t)
                 rows.append(dict(precision=precision, seq=seq, checkpointing=ck, act_mib=act / 2**20, step_s=t,
                                  mem_cut=base[0] / act, time_ratio=t / base[1]))
                 print(f"{precision} seq {seq:5d} {ck:4s}: activations {act / 2**20:8.1f} MiB  step {t:6.3f} s"
                       f"  cut {base[0] / act:5.2f}x  time {t / base[1]:4.2f}x", flush=True)
-    header = ("| precision | seq | checkpointing | activations (MiB) | step (s) | memory cut vs none | "
+    header = (f"| precision | seq | checkpointing | activations (MiB) | step ({args.clock} s) | memory cut vs none | "
               "step time vs none |\n|---|---|---|---|---|---|---|\n")
     body = "".join(f"| {r['precision']} | {r['seq']} | {r['checkpointing']} | {r['act_mib']:.1f} | {r['step_s']:.3f}"
                    f" | {r['mem_cut']:.2f}x | {r['time_ratio']:.2f}x |\n" for r in rows)
     model_line = (f"8-layer Llama (hidden {MODEL['hidden_size']}, vocab {MODEL['vocab_size']}), batch {args.batch}, "
-                  f"{torch.get_num_threads()} CPU threads, median of {args.repeats} steps.\n\n")
+                  f"{torch.get_num_threads()} torch thread(s), step = median {args.clock} time of {args.repeats} "
+                  "steps after one warm-up.\n\n")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(model_line + header + body)
