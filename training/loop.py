@@ -8,6 +8,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
             x, y = data.train_x[chunk].to(acc.device), data.train_y[chunk].to(acc.device)
             sync = micro == cfg.grad_accum - 1  # all-reduce gradients only once per step
             meter = ActivationMeter(model) if report is not None and step == 0 and micro == 0 else None
-            with acc.no_sync(model) if not sync else _null(), meter or _null():
+            with acc.no_sync(model) if not sync else nullcontext(), meter or nullcontext():
                 with prec.autocast():
                     s = token_loss_sum(model, x, y)
                 # DDP averages gradients over processes, so scale by world to get sum / n_tokens.
@@ -242,14 +243,6 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
     acc.wait_for_everyone()
     return {**last, "best_val_loss": best_val if best_val < math.inf else None,
             "memory_report": report.as_dict() if report else None}
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _memory_bytes(device: torch.device) -> int:
