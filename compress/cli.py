@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_quantize(sub)
     _add_eval(sub)
+    from compress.prune import add_commands  # prune, lowrank, pipeline
+
+    add_commands(sub)
     i = sub.add_parser("info", help="summary of a model dir (config, quantization, tensors, size)")
     i.add_argument("model")
     i.set_defaults(func=cmd_info)

@@ -8,7 +8,7 @@ import torch
 from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 
-from compress import ctformat
+from compress import ctformat, structured
 from compress.qlinear import QuantLinear
 from compress.skeleton import check_no_meta, fix_meta_buffers, hf_config, meta_model
 from compress.store import WeightSource, read_config
@@ -34,16 +34,20 @@ def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
         raise UserError(f"{path}: quantization method {method!r} is not supported")
     config = hf_config(path, trust_remote_code)
     model = meta_model(config, trust_remote_code)
-    linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    per_module = ctformat.parse_config(qc, linear_names)
-    if not per_module:
-        raise UserError(f"{path}: quantization_config targets none of the model's Linear layers")
     dev = torch.device(device)
+    filled = structured.prepare(model, src, qc, dev)  # low-rank (two Linears) and sparse-bitmask layers
+    linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    ours = bool(filled or (qc.get("memfit") or {}).get("lowrank"))
+    per_module = ctformat.parse_config(qc, linear_names) if qc.get("config_groups") or not ours else {}
+    if not per_module and not ours:
+        raise UserError(f"{path}: quantization_config targets none of the model's Linear layers")
     for name, args in per_module.items():
         q = ctformat.read_quantized(src.get, name, args)
         bias = src.get(f"{name}.bias").float() if f"{name}.bias" in src else None
         model.set_submodule(name, QuantLinear(q, bias, device=dev, backend=backend))
     for name, _p in list(model.named_parameters()):
+        if name in filled:
+            continue
         if name not in src and name.startswith("lm_head") and getattr(config, "tie_word_embeddings", False):
             continue
         set_module_tensor_to_device(model, name, dev, value=src.get(name).float())
