@@ -299,7 +299,7 @@ def write_report(data: dict) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+        fig, axes = plt.subplots(1, 3, figsize=(15, 5.0))
         main = [s for s in data["servers"] if s["levels"] and len(s["levels"]) > 1]
         for s in main:
             cs = [r["concurrency"] for r in s["levels"]]
@@ -312,9 +312,10 @@ def write_report(data: dict) -> None:
             ax.set_title(t)
             ax.grid(alpha=0.3)
         axes[1].set_yscale("log")
-        axes[0].legend()
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
         fig.suptitle(f"memfit serve vs transformers serve, {data['params'] / 1e6:.0f}M-param fp32 Llama, CPU")
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
         fig.savefig(RESULTS / "serving.png", dpi=110)
     except ImportError:
         print("matplotlib missing: no PNG", file=sys.stderr)
@@ -333,7 +334,12 @@ def main() -> int:
     ap.add_argument("--skip-extra", action="store_true", help="skip memory and quantized runs")
     ap.add_argument("--no-variants", action="store_true", help="skip the memfit bf16 / 2-thread rows")
     ap.add_argument("--model", default=None, help="use this model dir instead of building the random 30M one")
+    ap.add_argument("--render-only", action="store_true",
+                    help="re-render serving.md/png from bench/results/serving.json (no measurement)")
     args = ap.parse_args()
+    if args.render_only:
+        write_report(json.loads((RESULTS / "serving.json").read_text()))
+        return 0
     levels = [int(x) for x in args.levels.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     if args.model:
