@@ -16,8 +16,13 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 
 install: $(VENV)/.installed
 
-demo: install
-	$(PY) -m training.generate --model $(MODEL) --prompt "ROMEO. " --max-new-tokens 80
+# The main job on the shipped model: compress it to 4 bits, serve it, stream one answer, then show the
+# compression table (perplexity on the held-out plays, size on disk, decode speed; fp32 vs 4-bit).
+DEMO_OUT ?= .cache/demo/shakespeare-llama-4bit
+demo: data
+	$(PY) -m compress quantize $(MODEL) -o $(DEMO_OUT) --bits 4 --overwrite
+	$(PY) -m serve.demo --model $(DEMO_OUT) --prompt "ROMEO. "
+	$(PY) -m compress eval $(DEMO_OUT) --baseline $(MODEL) --max-tokens 20000 --decode-tokens 64
 
 test: install lint-docker
 	$(PY) -m ruff check .
