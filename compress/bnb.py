@@ -2,7 +2,7 @@
 
 bitsandbytes quantizes at load time (whole model, not layer by layer); the output dir is a normal
 transformers checkpoint with a `bitsandbytes` quantization_config, loadable by from_pretrained.
-On CPU its kernels are slow (NF4 decode measured ~10x slower than fp32 here); it is a GPU format.
+Decode speed on CPU against our int4 kernel: bench/results/quantize.md.
 """
 
 from __future__ import annotations
