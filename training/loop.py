@@ -173,8 +173,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
             x, y = data.train_x[chunk].to(acc.device), data.train_y[chunk].to(acc.device)
             sync = micro == cfg.grad_accum - 1  # all-reduce gradients only once per step
             meter = ActivationMeter(model) if report is not None and step == 0 and micro == 0 else None
-            with acc.no_sync(model) if not sync else nullcontext(), meter or nullcontext():
-                with prec.autocast():
+            with acc.no_sync(model) if not sync else nullcontext():
+                with meter or nullcontext(), prec.autocast():  # the meter sees the forward pass only
                     s = token_loss_sum(model, x, y)
                 # DDP averages gradients over processes, so scale by world to get sum / n_tokens.
                 loss = s * world / max(n_tokens, 1)
