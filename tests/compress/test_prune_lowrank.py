@@ -242,3 +242,21 @@ def test_pipeline_bad_recipe(tiny: Path, tmp_path: Path, capsys, steps: str, msg
     code, err = run(capsys, "pipeline", "--config", str(recipe))
     assert code == 2 and msg in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("steps,kind", [
+    ("  - prune: {method: magnitude, sparsity: 0.5}\n", "Linear"),
+    ("  - prune: {method: magnitude, pattern: '4:8'}\n  - lowrank: {method: svd, ratio: 0.5}\n", "Sequential"),
+])
+def test_pipeline_other_recipes_load(tiny: Path, tmp_path: Path, steps: str, kind: str) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"steps:\n{steps}")
+    out = tmp_path / "out"
+    assert main(["pipeline", "--config", str(recipe), "--model", str(tiny), "-o", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert len(cfg["memfit_steps"]) == steps.count("- ")
+    model = compress.load(out)
+    assert type(model.model.layers[1].mlp.down_proj).__name__ == kind
+    assert torch.isfinite(logits(model, IDS)).all()
+    if kind == "Linear":  # a prune-only recipe is stored sparse, like `compress prune`
+        assert "model.layers.0.mlp.up_proj.weight.bitmask" in WeightSource(out)
