@@ -157,3 +157,14 @@ def test_interrupted_run_leaves_no_loadable_half_output(tiny: Path, tmp_path: Pa
         main(["quantize", str(tiny), "-o", str(out), "--method", "rtn", "--bits", "4", "--overwrite"])
     assert json.loads((out / "config.json").read_text())["quantization_config"]["memfit"]["bits"] == 8
     compress.load(out)
+
+
+def test_python_dash_m_exit_code_and_stderr(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "compress", "quantize", str(tmp_path / "nope"), "-o",
+                           str(tmp_path / "q")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "compress: error:" in proc.stderr and "is not a directory" in proc.stderr
+    assert proc.stdout == ""
