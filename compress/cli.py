@@ -54,12 +54,13 @@ def _add_quantize(sub) -> None:
 
 def cmd_quantize(a: argparse.Namespace) -> int:
     from compress import bnb, pipeline
-    from training.model import load_tokenizer
+    from training.model import check_checkpoint_dir, load_tokenizer
 
     out = Path(a.output)
     model = Path(a.model)
     if not model.is_dir():
         raise UserError(f"MODEL: {model} is not a directory")
+    check_checkpoint_dir(str(model), allow_pickle=False)  # no weights / pickle-only: refused before any work
     if out.resolve() == model.resolve():
         raise UserError("--output must differ from MODEL")
     if out.exists() and not a.overwrite:

@@ -104,16 +104,19 @@ def gptq(w: torch.Tensor, H: torch.Tensor, args: QuantArgs, blocksize: int = 128
 
 def sequential_groups(job: LayerJob) -> list[list[str]]:
     """Linears in execution order, grouped when they read the same input tensor (q/k/v, gate/up)."""
-    seen: list[tuple[str, int]] = []
+    # Keep each input alive until the grouping is done: comparing addresses of freed tensors would let
+    # the allocator's reuse of a buffer group Linears that read different inputs.
+    seen: list[tuple[str, torch.Tensor]] = []
 
     def hook(name: str):
-        return lambda x: seen.append((name, x.data_ptr())) if name not in {n for n, _ in seen} else None
+        return lambda x: seen.append((name, x)) if name not in {n for n, _ in seen} else None
 
     first = LayerJob(job.layer, job.prefix, job.linears, job.args, job.config, job.inputs[:1])
     first.run({n: hook(n) for n in job.linears})
     groups: list[list[str]] = []
     last_ptr = None
-    for name, ptr in seen:
+    for name, x in seen:
+        ptr = x.data_ptr()
         if groups and ptr == last_ptr:
             groups[-1].append(name)
         else:
