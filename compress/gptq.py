@@ -116,7 +116,7 @@ def sequential_groups(job: LayerJob) -> list[list[str]]:
     groups: list[list[str]] = []
     last_ptr = None
     for name, x in seen:
-        ptr = x.data_ptr()
+        ptr = (x.data_ptr(), x.shape)
         if groups and ptr == last_ptr:
             groups[-1].append(name)
         else:

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from compress.gptq import Hessian
+from compress.gptq import Hessian, sequential_groups
 from compress.layerjob import LayerJob
-from compress.wanda import sequential_groups
 from training.errors import UserError
 
 ASVD_ALPHA = 0.5

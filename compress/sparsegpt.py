@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from compress.gptq import Hessian, _hinv_upper
+from compress.gptq import Hessian, _hinv_upper, sequential_groups
 from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized, qparams, quantize_codes
 from compress.rtn import rtn
-from compress.wanda import magnitude_layer, sequential_groups
+from compress.wanda import magnitude_layer
 
 NEEDS_CALIBRATION = True
 

@@ -10,32 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from compress.gptq import sequential_groups
 from compress.layerjob import LayerJob
 from compress.sparse_store import prune_mask
-
-
-def sequential_groups(job: LayerJob) -> list[list[str]]:
-    """Linears in execution order, grouped when they read the same input tensor (q/k/v, gate/up).
-
-    Like gptq.sequential_groups, but the inputs are kept alive while comparing storage pointers: otherwise a
-    freed tensor's address can be reused (o_proj's input and gate/up's), grouping unrelated Linears at random.
-    """
-    seen: list[tuple[str, torch.Tensor]] = []
-
-    def hook(name: str):
-        return lambda x: seen.append((name, x)) if name not in {n for n, _ in seen} else None
-
-    first = LayerJob(job.layer, job.prefix, job.linears, job.args, job.config, job.inputs[:1])
-    first.run({n: hook(n) for n in job.linears})
-    groups: list[list[str]] = []
-    last = None
-    for name, x in seen:
-        if groups and last is not None and x.data_ptr() == last.data_ptr() and x.shape == last.shape:
-            groups[-1].append(name)
-        else:
-            groups.append([name])
-        last = x
-    return groups
 
 
 class InputNorm:
