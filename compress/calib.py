@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +35,18 @@ def expand(paths: list[str | Path], what: str) -> list[Path]:
             files.append(p)
         else:
             raise UserError(f"{what}: {p} does not exist")
+    return files
+
+
+def calibration_files(method: str, paths: list[str] | None) -> list[Path]:
+    """--calib FILES, or the default Shakespeare training split; a clear error when neither exists."""
+    if paths:
+        return expand(paths, "--calib")
+    files = default_calib_files()
+    if not files:
+        raise UserError(f"method {method} needs calibration text: pass --calib FILES (the default, "
+                        f"{SHAKESPEARE}, is missing: python -m training.shakespeare)")
+    print(f"calibration: {len(files)} default files from {SHAKESPEARE}", file=sys.stderr)
     return files
 
 

@@ -77,14 +77,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         files: list[Path] = []
         tok = None
         if method in CALIBRATED:
-            if a.calib:
-                files = calib.expand(a.calib, "--calib")
-            else:
-                files = calib.default_calib_files()
-                if not files:
-                    raise UserError(f"method {method} needs calibration text: pass --calib FILES (the default, "
-                                    f"{calib.SHAKESPEARE}, is missing: python -m training.shakespeare)")
-                print(f"calibration: {len(files)} default files from {calib.SHAKESPEARE}", file=sys.stderr)
+            files = calib.calibration_files(method, a.calib)
             tok = load_tokenizer(str(model), a.trust_remote_code)
         opt = pipeline.QuantizeOptions(
             bits=a.bits, group_size=a.group_size, method=method, sym=bool(a.sym), calib_files=files,

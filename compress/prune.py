@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -123,14 +122,7 @@ def calib_options(method: str, files_arg: list[str] | None, samples: int, seqlen
         raise UserError("--calib-samples must be > 0 and --calib-seqlen > 1")
     files: list[Path] = []
     if method in CALIBRATED:
-        if files_arg:
-            files = calib.expand(files_arg, "--calib")
-        else:
-            files = calib.default_calib_files()
-            if not files:
-                raise UserError(f"method {method} needs calibration text: pass --calib FILES (the default, "
-                                f"{calib.SHAKESPEARE}, is missing: python -m training.shakespeare)")
-            print(f"calibration: {len(files)} default files from {calib.SHAKESPEARE}", file=sys.stderr)
+        files = calib.calibration_files(method, files_arg)
     return {"files": files, "samples": samples, "seqlen": seqlen, "seed": seed}
 
 
