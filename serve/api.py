@@ -67,7 +67,17 @@ class BodyLimit:
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
 
-    async def _reject(self, send) -> None:
+    async def _reject(self, receive, send, more_body: bool = True) -> None:
+        # Lingering close, as nginx does: read and discard the rest of the body (bounded) before answering.
+        # Closing a socket with unread bytes in its receive buffer makes the kernel send RST, and the client
+        # then loses the 413 it was about to read (seen as a flaky "peer closed connection" in CI).
+        drained = 0
+        while more_body and drained <= 16 * self.limit:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            drained += len(msg.get("body", b""))
+            more_body = msg.get("more_body", False)
         body = json.dumps(error_body(f"request body larger than {self.limit} bytes", "invalid_request_error",
                                      code="request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
@@ -82,7 +92,7 @@ class BodyLimit:
             if k == b"content-length":
                 try:
                     if int(v) > self.limit:
-                        return await self._reject(send)
+                        return await self._reject(receive, send)
                 except ValueError:
                     pass
         chunks, size = [], 0
@@ -93,7 +103,8 @@ class BodyLimit:
             body = msg.get("body", b"")
             size += len(body)
             if size > self.limit:
-                return await self._reject(send)
+                chunks.clear()
+                return await self._reject(receive, send, msg.get("more_body", False))
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
