@@ -42,6 +42,8 @@ class ServeConfig:
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
+    tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
 
 
 class APIError(Exception):
@@ -137,6 +139,7 @@ class State:
         self.created = int(time.time())
         self.on_failed: Callable[[BaseException], None] | None = None
         self.ready_event = threading.Event()
+        self.placement: dict | None = None  # where the model runs: shown by /health and /v1/models
 
     def load(self) -> None:
         try:
@@ -146,7 +149,13 @@ class State:
             msl = cfg.max_seq_len or min(maxpos, 2048)
             if msl > maxpos:
                 raise UserError(f"--max-seq-len {msl} exceeds the model's max_position_embeddings {maxpos}")
-            sm = SlotModel(loaded.model, cfg.max_batch, msl)
+            sm = SlotModel(loaded.model, cfg.max_batch, msl,
+                           prefetch=getattr(cfg.placement, "prefetch", True))
+            if loaded.tp > 1:
+                from serve.tp import Driver
+
+                sm = Driver(sm)
+            self.placement = _placement_info(loaded, sm)
             _warmup(sm)
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
             self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics)
@@ -161,6 +170,15 @@ class State:
                 self.on_failed(e)
         finally:
             self.ready_event.set()
+
+
+def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
+    info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device()}
+    if loaded.plan is not None:
+        info.update(loaded.plan.summary())
+        info["offloaded_layers"] = len(sm.prefetch.offloaded)
+        info["prefetch"] = sm.prefetch.active
+    return info
 
 
 def _warmup(sm: SlotModel) -> None:
@@ -179,7 +197,8 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
         from serve.loader import load
 
         def load_fn():
-            return load(cfg.model_path, cfg.dtype, cfg.quantize)
+            return load(cfg.model_path, cfg.dtype, cfg.quantize, placement=cfg.placement, max_batch=cfg.max_batch,
+                        max_seq_len=cfg.max_seq_len, tp=cfg.tp)
 
     state = State(cfg, load_fn)
 
@@ -247,7 +266,7 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
     @app.get("/health")
     async def health():
         if state.status == "ready" and state.engine is not None and state.engine.alive:
-            return {"status": "ok"}
+            return {"status": "ok", "placement": state.placement}
         msg = {"loading": "model is loading", "draining": "server is shutting down"}.get(
             state.status, f"model unavailable: {state.error}")
         return JSONResponse(error_body(msg, "service_unavailable", code=state.status), status_code=503)
@@ -261,13 +280,14 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
         return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
-                                            "owned_by": "memfit", "max_model_len": state.max_seq_len or None}]}
+                                            "owned_by": "memfit", "max_model_len": state.max_seq_len or None,
+                                            "placement": state.placement}]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(auth)])
     async def model_info(model_id: str):
         check_model(model_id)
         return {"id": state.name, "object": "model", "created": state.created, "owned_by": "memfit",
-                "max_model_len": state.max_seq_len or None}
+                "max_model_len": state.max_seq_len or None, "placement": state.placement}
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(body: CompletionRequest, request: Request):

@@ -47,7 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads for the engine (default: CPU cores - 1, at least 1: one core stays "
                         "free for HTTP, tokenization and streaming; on a busy 2-core box 2 threads stall badly)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _placement_args(p)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: launch with `torchrun "
+                   "--nproc-per-node N -m serve --tp N` (gloo on CPU, NCCL on GPU); rank 0 serves HTTP")
     return p
+
+
+def _placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-map", default=None, help="place the model over GPUs, CPU RAM and disk: "
+                   "auto|balanced|balanced_low_0|sequential|cpu or a JSON file {module: device} (default: all "
+                   "on one device, no accelerate hooks)")
+    p.add_argument("--max-memory", default=None, help="per-device budget for --device-map, e.g. "
+                   "cuda:0=20GiB,cpu=48GiB (implies --device-map auto); the KV cache is counted in it")
+    p.add_argument("--offload-folder", default=None, help="where disk-offloaded tensors that must be converted "
+                   "are written (default: a temp dir; safetensors checkpoints are read in place)")
+    p.add_argument("--no-offload-prefetch", dest="offload_prefetch", action="store_false",
+                   help="do not load the next offloaded layer while the current one runs (accelerate's default)")
+
+
+def _check_placement(args: argparse.Namespace) -> None:
+    dm = args.device_map
+    if dm is not None and dm not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu"):
+        if not dm.endswith(".json") or not Path(dm).is_file():
+            raise UserError(f"--device-map must be auto, balanced, balanced_low_0, sequential, cpu or an existing "
+                            f"JSON file, got {dm!r}")
+    if args.offload_folder is not None and Path(args.offload_folder).exists() and not Path(
+            args.offload_folder).is_dir():
+        raise UserError(f"--offload-folder {args.offload_folder} exists and is not a directory")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -60,6 +86,11 @@ def validate(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be in {lo}..{hi}, got {v}")
     if args.threads is not None and not 1 <= args.threads <= 1024:
         raise UserError(f"--threads must be in 1..1024, got {args.threads}")
+    if not 1 <= args.tp <= 64:
+        raise UserError(f"--tp must be in 1..64, got {args.tp}")
+    if args.tp > 1 and (args.device_map or args.max_memory or args.quantize):
+        raise UserError("--tp cannot be combined with --device-map/--max-memory/--quantize")
+    _check_placement(args)
     if args.graceful_timeout < 0:
         raise UserError("--graceful-timeout must be >= 0")
     # the same checks as training.model.check_checkpoint_dir (run again at load), without importing torch
@@ -85,7 +116,23 @@ def validate(args: argparse.Namespace) -> None:
             raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings {maxpos}")
 
 
+def _placement(args: argparse.Namespace):
+    if args.device_map is None and args.max_memory is None:
+        return None
+    from serve.placement import Placement, parse_max_memory, read_device_map_file
+
+    dm = args.device_map or "auto"
+    return Placement(device_map=read_device_map_file(dm) if dm.endswith(".json") else dm,
+                     max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder,
+                     prefetch=args.offload_prefetch)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from serve.plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.model is None:
         args.model = _default_model()
@@ -100,14 +147,26 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
+    cores = os.cpu_count() or 1
+    # tensor parallel: the ranks share the cores; otherwise one core stays free for HTTP and tokenization
+    torch.set_num_threads(args.threads or (max(1, cores // args.tp) if args.tp > 1 else max(1, cores - 1)))
+    try:
+        placement = _placement(args)
+        if args.tp > 1:
+            from serve import tp
+
+            if tp.init(args.tp) != 0:
+                return _tp_worker(args)
+    except UserError as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2
 
     from serve.api import ServeConfig, create_app
 
     cfg = ServeConfig(model_path=args.model, served_name=args.served_model_name, dtype=args.dtype,
                       quantize=args.quantize, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                       prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
-                      max_body_bytes=args.max_body_bytes)
+                      max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp)
     app = create_app(cfg)
     state = app.state.serve
     failure: list[BaseException] = []
@@ -130,12 +189,32 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     log.info("serve: model %s on http://%s:%d (health 503 until loaded)", args.model, args.host, args.port)
     server.run()
+    if args.tp > 1 and state.engine is not None and hasattr(state.engine.model, "close"):
+        state.engine.model.close()  # the workers exit after rank 0's last step
     if failure:
         e = failure[0]
         print(f"serve: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UserError) else 1
     if not server.started:
         return 1
+    return 0
+
+
+def _tp_worker(args: argparse.Namespace) -> int:
+    """Ranks 1..N-1 of ``--tp N``: load this rank's shard, then run the steps rank 0 broadcasts."""
+    from serve import tp
+    from serve.loader import load
+    from serve.model import SlotModel
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains on SIGTERM and then tells us to stop
+    try:
+        loaded = load(args.model, args.dtype, None, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                      tp=args.tp)
+    except UserError as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2
+    msl = args.max_seq_len or min(loaded.max_positions, 2048)  # as rank 0's State.load
+    tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl))
     return 0
 
 

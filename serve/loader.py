@@ -28,6 +28,8 @@ class Loaded:
     eos_ids: set[int]
     max_positions: int
     quantized: str | None  # how: "compress", "int8", "nf4" or None
+    plan: object | None = None  # serve.placement.Plan when --device-map/--max-memory placed the model
+    tp: int = 1  # tensor-parallel ranks the model is sharded over
 
 
 def resolve_dtype(name: str, config: dict) -> torch.dtype:
@@ -85,7 +87,10 @@ def _eos_ids(model: torch.nn.Module, tok) -> set[int]:
     return ids
 
 
-def load(path: str, dtype: str = "auto", quantize: str | None = None) -> Loaded:
+def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=None, max_batch: int = 16,
+         max_seq_len: int | None = None, tp: int = 1) -> Loaded:
+    """``placement`` (serve.placement.Placement) spreads the model over devices/RAM/disk; ``tp`` > 1 shards
+    it over the torchrun ranks with transformers' tp_plan="auto" (every rank calls this)."""
     check_checkpoint_dir(path, allow_pickle=False)
     if not any(Path(path).glob("*.safetensors")):
         raise UserError(f"--model: {path} has no *.safetensors weights (pickle checkpoints are refused)")
@@ -102,7 +107,33 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None) -> Loaded:
             compress_load = getattr(compress, "load", None)
         except ImportError:
             compress_load = None
-    if compress_load is not None:
+    plan = None
+    if tp > 1 or placement is not None:
+        if quantize:
+            raise UserError("--quantize cannot be combined with --device-map/--max-memory/--tp (quantize with "
+                            "`compress quantize` first; compress outputs place like any model)")
+        torch_dtype = resolve_dtype(dtype, config)
+    if tp > 1:
+        if compress_load is not None:
+            raise UserError("--tp: compress outputs cannot be tensor-parallel (their packed Linears have no "
+                            "tp_plan); serve the original checkpoint with --tp, or a compress output on one device")
+        if placement is not None:
+            raise UserError("--tp cannot be combined with --device-map/--max-memory")
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        model = load_pretrained(path, dtype=torch_dtype, distributed_config=DistributedConfig(tp_plan="auto"))
+    elif placement is not None:
+        from serve.placement import load_placed
+
+        maxpos = int(config.get("max_position_embeddings") or 2048)
+        model, plan = load_placed(path, torch_dtype, placement.device_map, placement.max_memory,
+                                  placement.offload_folder, max_batch, max_seq_len or min(maxpos, 2048),
+                                  compressed=compress_load is not None, prefetch=placement.prefetch)
+        how = "compress" if compress_load is not None else None
+        from serve.placement import format_plan
+
+        log.info("placement of %s:\n%s", path, format_plan(plan))
+    elif compress_load is not None:
         try:
             model = compress_load(path, device="cpu")
         except UserError:
@@ -127,4 +158,4 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None) -> Loaded:
     except (OSError, ValueError) as e:
         raise UserError(f"--model: no usable tokenizer in {path}: {e}") from None
     maxpos = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
-    return Loaded(model, tok, _eos_ids(model, tok), maxpos, how)
+    return Loaded(model, tok, _eos_ids(model, tok), maxpos, how, plan, tp)

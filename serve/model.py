@@ -33,6 +33,32 @@ class Segment:
     want_logits: bool = True  # logits of the segment's last token are returned
 
 
+def _shards(linear: torch.nn.Module) -> int:
+    """How many tensor-parallel ranks share this (column-sharded) Linear: 1 unless its weight is a DTensor."""
+    w = getattr(linear, "weight", None)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return 1
+    if isinstance(w, DTensor):
+        return w.shape[0] // w.to_local().shape[0]
+    return 1
+
+
+def _exec_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: its accelerate hook's execution device (offloaded weights are on meta until
+    the hook loads them), else the device of its first real parameter, else CPU."""
+    for m in module.modules():
+        hook = getattr(m, "_hf_hook", None)
+        dev = getattr(hook, "execution_device", None)
+        if dev is not None:
+            return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device if not hasattr(p, "to_local") else p.to_local().device
+    return torch.device("cpu")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -42,7 +68,7 @@ class SlotModel:
     """Wraps an HF ``*ForCausalLM`` (Llama family) with a static slot KV cache."""
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
-                 cache_dtype: torch.dtype | None = None):
+                 cache_dtype: torch.dtype | None = None, prefetch: bool = True):
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:
@@ -59,16 +85,29 @@ class SlotModel:
         self.num_heads = cfg.num_attention_heads
         self.num_kv = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        # tensor parallel (transformers tp_plan): q/k/v are column-sharded, so each rank holds a slice of heads
+        tp = _shards(self.layers[0].self_attn.q_proj)
+        if self.num_heads % tp or self.num_kv % tp:
+            raise UserError(f"--tp {tp} must divide the attention heads ({self.num_heads}) and KV heads "
+                            f"({self.num_kv})")
+        self.num_heads //= tp
+        self.num_kv //= tp
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.vocab_size = cfg.vocab_size
         self.dtype = self._param_dtype()
         cdt = cache_dtype or self.dtype
-        shape = (len(self.layers), max_batch, self.num_kv, max_seq_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=cdt)
-        self.v_cache = torch.zeros(shape, dtype=cdt)
+        # each layer's KV cache lives where that layer executes (device maps split layers over devices)
+        self.layer_devices = [_exec_device(layer) for layer in self.layers]
+        self.embed_device = _exec_device(self.inner.embed_tokens)
+        shape = (max_batch, self.num_kv, max_seq_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
+        self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
+        from serve.offload import LayerPrefetcher
+
+        self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
 
     def _param_dtype(self) -> torch.dtype:
         emb = self.inner.embed_tokens
@@ -82,12 +121,25 @@ class SlotModel:
 
     @property
     def cache_bytes(self) -> int:
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return sum(self.cache_bytes_per_device().values())
+
+    def cache_bytes_per_device(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k in self.k_cache:
+            out[str(k.device)] = out.get(str(k.device), 0) + 2 * k.numel() * k.element_size()
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """Run ``input_ids`` (1-D, the segments' tokens concatenated in order) and return the logits
-        (float32, ``[num segments with want_logits, vocab]``) of each wanting segment's last token."""
+        (float32 on CPU, ``[num segments with want_logits, vocab]``) of each wanting segment's last token."""
+        try:
+            return self._forward(input_ids, segments)
+        except BaseException:
+            self.prefetch.reset()
+            raise
+
+    def _forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         T = int(input_ids.shape[0])
         assert T == sum(s.length for s in segments)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
@@ -95,8 +147,8 @@ class SlotModel:
         if int(positions.max()) >= self.max_seq_len:
             raise ValueError("position beyond max_seq_len")
 
-        h = self.inner.embed_tokens(input_ids[None])  # [1, T, hidden]
-        cos, sin = self.rotary(h, positions[None])
+        h = self.inner.embed_tokens(input_ids[None].to(self.embed_device))  # [1, T, hidden]
+        cos, sin = self.rotary(h, positions[None].to(h.device))
         cos = cos[0][:, None, :]  # [T, 1, D]
         sin = sin[0][:, None, :]
 
@@ -117,9 +169,18 @@ class SlotModel:
         contiguous = bool(dec_idx) and dec_slots.tolist() == list(
             range(int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
+        index = {"positions": positions, "slots": slots, "cos": cos, "sin": sin, "dec_tok": dec_tok,
+                 "dec_slots": dec_slots, "dec_mask": dec_mask}
+        on_device: dict[torch.device, dict] = {}  # the step's index tensors, copied once per device
 
         H, KV, D = self.num_heads, self.num_kv, self.head_dim
         for li, layer in enumerate(self.layers):
+            dev = self.layer_devices[li]
+            if dev not in on_device:
+                on_device[dev] = {k: (v.to(dev) if v is not None else None) for k, v in index.items()}
+            ix = on_device[dev]
+            h = h.to(dev)
+            self.prefetch.begin(li)
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(T, H, D)
@@ -129,26 +190,26 @@ class SlotModel:
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
             qk = torch.cat((q, k), dim=1)  # RoPE once over query and key heads
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * ix["cos"] + _rotate_half(qk) * ix["sin"]
             q, k = qk[:, :H], qk[:, H:]
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slots, :, positions] = k.to(kc.dtype)
-            vc[slots, :, positions] = v.to(vc.dtype)
+            kc[ix["slots"], :, ix["positions"]] = k.to(kc.dtype)
+            vc[ix["slots"], :, ix["positions"]] = v.to(vc.dtype)
 
-            out = None if all_dec else torch.empty(T, H, D, dtype=q.dtype)
+            out = None if all_dec else torch.empty(T, H, D, dtype=q.dtype, device=dev)
             if dec_idx:
-                qd = (q if all_dec else q[dec_tok])[:, :, None, :]  # [n, H, 1, D]
+                qd = (q if all_dec else q[ix["dec_tok"]])[:, :, None, :]  # [n, H, 1, D]
                 if contiguous:
                     a, b = int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)
                     kd, vd = kc[a:b, :, :dec_max], vc[a:b, :, :dec_max]
                 else:
-                    kd, vd = kc[dec_slots, :, :dec_max], vc[dec_slots, :, :dec_max]
-                od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=dec_mask,
+                    kd, vd = kc[ix["dec_slots"], :, :dec_max], vc[ix["dec_slots"], :, :dec_max]
+                od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=ix["dec_mask"],
                                                     scale=self.scale, enable_gqa=KV != H)
                 if all_dec:
                     out = od[:, :, 0, :]
                 else:
-                    out[dec_tok] = od[:, :, 0, :]
+                    out[ix["dec_tok"]] = od[:, :, 0, :]
             for i, s in pre:
                 a, n = offsets[i], s.length
                 end = s.start + n
@@ -159,18 +220,19 @@ class SlotModel:
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
                                                         enable_gqa=KV != H)
                 else:
-                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=s.start)
+                    mask = torch.ones(n, end, dtype=torch.bool, device=dev).tril(diagonal=s.start)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
                                                         enable_gqa=KV != H)
                 out[a:a + n] = op[0].transpose(0, 1)
             h = h + attn.o_proj(out.reshape(1, T, H * D))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+            self.prefetch.end(li)
 
         want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
         if not want:
             return torch.empty(0, self.vocab_size)
         hl = self.inner.norm(h[0, want])
-        return self.lm_head(hl).float()
+        return self.lm_head(hl).float().cpu()
 
     def clear_slot(self, slot: int) -> None:
         """Nothing to do: a slot's stale entries are never read (masks stop at each sequence's length)."""

@@ -79,7 +79,8 @@ def test_chunked_prefill_logits_equal_unchunked(loaded, chunk):
         last = sm.forward(ids[s:s + n], [Segment(1, s, n, want_logits=s + n == 150)])
     torch.testing.assert_close(last[0], full, atol=1e-5, rtol=1e-5)
     # and the caches agree, so later decodes agree too
-    torch.testing.assert_close(sm.k_cache[:, 1, :, :150], sm.k_cache[:, 0, :, :150], atol=1e-5, rtol=1e-5)
+    kc = torch.stack(sm.k_cache)  # [layers, slots, kv heads, positions, head_dim]
+    torch.testing.assert_close(kc[:, 1, :, :150], kc[:, 0, :, :150], atol=1e-5, rtol=1e-5)
 
 
 def test_continuous_batching_greedy_equals_hf_generate(loaded):

@@ -56,7 +56,7 @@ def test_load_time_quantization_runs_in_the_slot_engine(model_dir, loaded, metho
 def test_bf16_dtype(model_dir, loaded):
     b = load(model_dir, dtype="bf16")
     sm = SlotModel(b.model, 1, 32)
-    assert sm.k_cache.dtype == torch.bfloat16
+    assert sm.k_cache[0].dtype == torch.bfloat16
     ids = torch.tensor([10, 11, 12, 13])
     got = sm.forward(ids, [Segment(0, 0, 4)])[0]
     with torch.no_grad():
