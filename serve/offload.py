@@ -47,6 +47,11 @@ class LayerPrefetcher:
         for mod, hook in self.units[i]:
             hook._onload_weights(mod)
             hook.offload = False  # its own pre/post_forward now leave the weights alone
+            for p in mod.parameters(recurse=False):
+                if p.device.type == "cpu" and p.numel():
+                    # from safetensors the "load" is a zero-copy memory map: fault its pages in here, off the
+                    # critical path, instead of inside the layer's matmul (one read per 4 KiB page)
+                    p.data.view(-1)[:: max(1, 4096 // p.element_size())].sum()
         self.loaded.add(i)
 
     def _offload(self, i: int) -> None:

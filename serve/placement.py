@@ -90,6 +90,13 @@ class Plan:
                 "device_map": {k: _dev_name(v) for k, v in self.device_map.items()}}
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
 def _dev_name(d: int | str) -> str:
     return f"cuda:{d}" if isinstance(d, int) else str(d)
 
@@ -135,6 +142,25 @@ def _owner(device_map: dict[str, int | str], name: str) -> int | str:
     return dev
 
 
+def _expand(model: torch.nn.Module, dm: dict[str, int | str], layers: list[str]) -> dict[str, int | str]:
+    """Split keys that hold decoder layers (``""``, ``model``, ``model.layers``) into their children, so every
+    layer has its own entry (accelerate's dispatch cannot offload a ``""`` key to disk, and the plan shows
+    each layer)."""
+    out: dict[str, int | str] = {}
+    for k, d in dm.items():
+        if any(n.startswith(k + ".") or not k for n in layers):
+            mod = model.get_submodule(k) if k else model
+            kids = {(f"{k}.{c}" if k else c): d for c, _ in mod.named_children()}
+            direct = [n for n, _ in mod.named_parameters(recurse=False)] + \
+                [n for n, _ in mod.named_buffers(recurse=False)]
+            if direct:  # tensors held by the parent itself: keep the parent key for them
+                return dm
+            out.update(_expand(model, kids, layers))
+        else:
+            out[k] = d
+    return out
+
+
 def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dict | None, max_batch: int,
                  max_seq_len: int, dtype: torch.dtype, tp: int = 1, prefetch: bool = True) -> Plan:
     """Place ``model`` (meta or real) with accelerate, reserving each layer's KV cache on its execution device
@@ -159,10 +185,10 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
             raise UserError("--max-memory names a CUDA device but none is visible")
         need_one = max(sizes[n] for n in layers) + kv * len(layers)
         if budget.get(main, 0) < need_one:
-            raise UserError(f"--max-memory {_dev_name(main)}={budget.get(main, 0) / 2**20:.1f}MiB is too small: "
-                            f"running needs at least one decoder layer ({max(sizes[n] for n in layers) / 2**20:.1f}"
-                            f" MiB) plus the KV cache ({kv * len(layers) / 2**20:.1f} MiB for --max-batch "
-                            f"{max_batch} x --max-seq-len {max_seq_len}) on {_dev_name(main)}")
+            raise UserError(f"--max-memory {_dev_name(main)}={_size(budget.get(main, 0))} is too small: running needs "
+                            f"at least one decoder layer ({_size(max(sizes[n] for n in layers))}) plus the KV cache "
+                            f"({_size(kv * len(layers))} for --max-batch {max_batch} x --max-seq-len {max_seq_len}) "
+                            f"on {_dev_name(main)}")
         reserve: dict[int | str, int] = {}
         dm = {}
         for _ in range(6):  # reserve KV where the layers execute, re-place, until the reservation holds
@@ -181,6 +207,8 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
             if all(need.get(k, 0) <= reserve.get(k, 0) for k in need):
                 break
             reserve = {k: max(need.get(k, 0), reserve.get(k, 0)) for k in set(need) | set(reserve)}
+    if not (list(dm) == [""] and dm[""] != "disk"):
+        dm = _expand(model, dm, layers)
     mods: list[ModulePlan] = []
     resident: dict[str, int] = {}
     for k, d in dm.items():
@@ -231,12 +259,21 @@ class Placement:
     prefetch: bool = True  # load the next offloaded layer while the current one runs (serve.offload)
 
 
+def _temp_folder() -> str:
+    """A private offload dir, removed when the process exits (it only ever holds copies of weights)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="memfit-offload-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def load_placed(path: str, dtype: torch.dtype, device_map: str | dict, max_memory: dict | None,
                 offload_folder: str | None, max_batch: int, max_seq_len: int, compressed: bool,
                 prefetch: bool = True) -> tuple[torch.nn.Module, Plan]:
     """Load ``path`` placed by ``device_map`` (a keyword or a dict); returns the model and the plan it followed."""
-    import tempfile
-
     from training.model import load_pretrained
 
     if compressed:
@@ -249,7 +286,7 @@ def load_placed(path: str, dtype: torch.dtype, device_map: str | dict, max_memor
         model = compress.load(path, device="cpu")
         plan = compute_plan(model, device_map, max_memory, max_batch, max_seq_len, dtype, prefetch=prefetch)
         if set(plan.device_map.values()) != {"cpu"}:
-            folder = offload_folder or tempfile.mkdtemp(prefix="memfit-offload-")
+            folder = offload_folder or _temp_folder()
             model = dispatch_model(model, plan.device_map, main_device=plan.main_device, offload_dir=folder,
                                    offload_buffers=True)
         return model, plan
@@ -259,7 +296,7 @@ def load_placed(path: str, dtype: torch.dtype, device_map: str | dict, max_memor
     if "disk" in plan.device_map.values():
         # transformers reads disk-offloaded tensors straight from the checkpoint's safetensors (nothing is
         # copied); the folder is only written for tensors it must convert
-        kwargs["offload_folder"] = offload_folder or tempfile.mkdtemp(prefix="memfit-offload-")
+        kwargs["offload_folder"] = offload_folder or _temp_folder()
     return load_pretrained(path, **kwargs), plan
 
 

@@ -40,13 +40,17 @@ def test_train_quantize_serve_openai(tmp_path):
 
     port = free_port()
     env.update(MEMFIT_MODEL=str(quant), MEMFIT_PORT=str(port), MEMFIT_PYTHON=sys.executable,
-               MEMFIT_API_KEY="e2e-secret", MEMFIT_MAX_BATCH="4")
+               MEMFIT_API_KEY="e2e-secret", MEMFIT_MAX_BATCH="4",
+               # a budget below the model: some layers are offloaded to disk and read back every step
+               MEMFIT_MAX_MEMORY="cpu=900KB", MEMFIT_MAX_SEQ_LEN="128")
     server = subprocess.Popen(["sh", str(ROOT / "docker" / "entrypoint.sh")], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", server, timeout=120)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="e2e-secret")
-        model_id = client.models.list().data[0].id
+        listed = client.models.list().data[0]
+        model_id = listed.id
+        assert listed.model_extra["placement"]["modules_per_device"].get("disk", 0) >= 1, listed.model_extra
         out = client.completions.create(model=model_id, prompt="thou art the", max_tokens=8, temperature=0)
         assert out.choices[0].text.strip()
         assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"

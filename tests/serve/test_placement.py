@@ -182,3 +182,17 @@ def test_tensor_parallel_2_ranks_over_gloo_serves_the_same_greedy_tokens(deep_di
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_compress_output_places_the_same_way(deep_dir, tmp_path):
+    from compress.cli import main as compress_main
+
+    out = tmp_path / "q4"
+    assert compress_main(["quantize", deep_dir, "-o", str(out), "--bits", "4", "--method", "rtn",
+                          "--group-size", "32"]) == 0
+    ref = greedy(SlotModel(load(str(out)).model, 2, 64), PROMPT, 12)
+    loaded = load(str(out), placement=Placement("auto", {"cpu": 300_000}, offload_folder=str(tmp_path / "off")),
+                  max_batch=2, max_seq_len=64)
+    sm = SlotModel(loaded.model, 2, 64)
+    assert loaded.quantized == "compress" and len(sm.prefetch.offloaded) >= 2
+    assert greedy(sm, PROMPT, 12) == ref
