@@ -59,6 +59,17 @@ def _exec_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's Llama-family RMSNorm as torch's single fused op (exactly equal in fp32, half the CPU time of its
+    six-op form at decode sizes); anything else (other dtypes, hooked or other norm types) runs the module."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or w is None or x.dtype != torch.float32 or w.dtype != torch.float32 or \
+            getattr(norm, "_hf_hook", None) is not None or not type(norm).__name__.endswith("RMSNorm"):
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -105,7 +116,13 @@ class SlotModel:
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
+        from serve.fuse import fuse
         from serve.offload import LayerPrefetcher
+
+        self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
+        self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj]) if all(
+            hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
+            for ly in self.layers]
 
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
 
@@ -182,10 +199,16 @@ class SlotModel:
             h = h.to(dev)
             self.prefetch.begin(li)
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(T, H, D)
-            k = attn.k_proj(x).view(T, KV, D)
-            v = attn.v_proj(x).view(T, KV, D)
+            x = _rms_norm(layer.input_layernorm, h)
+            if self.qkv[li] is not None:
+                qkv = self.qkv[li](x)[0]  # [T, (H + 2 KV) D]
+                q = qkv[:, :H * D].view(T, H, D)
+                k = qkv[:, H * D:(H + KV) * D].view(T, KV, D)
+                v = qkv[:, (H + KV) * D:].view(T, KV, D)
+            else:
+                q = attn.q_proj(x).view(T, H, D)
+                k = attn.k_proj(x).view(T, KV, D)
+                v = attn.v_proj(x).view(T, KV, D)
             if hasattr(attn, "q_norm"):  # qwen3
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
@@ -225,13 +248,19 @@ class SlotModel:
                                                         enable_gqa=KV != H)
                 out[a:a + n] = op[0].transpose(0, 1)
             h = h + attn.o_proj(out.reshape(1, T, H * D))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            if self.gate_up[li] is not None:
+                gu = self.gate_up[li](x)
+                n = gu.shape[-1] // 2
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gu[..., :n]) * gu[..., n:])
+            else:
+                h = h + layer.mlp(x)
             self.prefetch.end(li)
 
         want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
         if not want:
             return torch.empty(0, self.vocab_size)
-        hl = self.inner.norm(h[0, want])
+        hl = _rms_norm(self.inner.norm, h[0, want])
         return self.lm_head(hl).float().cpu()
 
     def clear_slot(self, slot: int) -> None:

@@ -74,6 +74,9 @@ def test_compress_4bit_output_serves_and_matches_its_hf_forward(model_dir, tmp_p
     assert type(q.model.model.layers[0].mlp.down_proj) is not torch.nn.Linear
     ids = torch.tensor(q.tokenizer("ROMEO. But soft, what light")["input_ids"])
     sm = SlotModel(q.model, 2, 64)
+    # the int4 q/k/v and gate/up projections run fused (serve.fuse); the HF forward below runs them one by one
+    assert q.model.model.layers[0].mlp.up_proj.backend == "int4_cpu"
+    assert all(f is not None for f in sm.qkv + sm.gate_up)
     got = sm.forward(ids[:5], [Segment(1, 0, 5)])  # chunked over the quantized Linears
     got = sm.forward(ids[5:], [Segment(1, 5, len(ids) - 5)])[0]
     with torch.no_grad():
