@@ -1,7 +1,7 @@
 """Pruning and low-rank benchmark on the shipped model: perplexity vs size, decode speed, in one run.
 
-    OMP_NUM_THREADS=2 python bench/prune_lowrank.py [--model models/shakespeare-llama] [--sparsity 0.5 0.7]
-        [--ratios 0.8 0.6] [--max-tokens 32768] [--calib-samples 64]
+    OMP_NUM_THREADS=1 python bench/prune_lowrank.py [--model models/shakespeare-llama] [--sparsity 0.5 0.7]
+        [--ratios 0.8 0.6 | --ratios] [--no-24] [--no-pipeline] [--max-tokens 32768] [--calib-samples 128]
 
 Variants: dense fp16 (baseline), magnitude / Wanda / SparseGPT at each unstructured sparsity and 2:4,
 SVD / SVD-LLM / ASVD at each low-rank ratio, and the configs/compress/prune24_quant4.yaml pipeline
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from compress import calib  # noqa: E402
 from compress.cli import main as compress_main  # noqa: E402
-from compress.evaluate import decode_speed, format_table, perplexity  # noqa: E402
+from compress.evaluate import decode_speed, format_table, kl_against, kl_reference, perplexity  # noqa: E402
 from compress.loader import load  # noqa: E402
 from compress.prune import lowrank_model, prune_model  # noqa: E402
 from compress.store import WeightSource, dir_bytes  # noqa: E402
@@ -40,9 +40,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "shakespeare-llama"))
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5, 0.7])
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.8, 0.6])
+    ap.add_argument("--ratios", type=float, nargs="*", default=[0.8, 0.6], help="low-rank ratios (none: no low-rank)")
+    ap.add_argument("--no-24", action="store_true", help="skip the 2:4 rows")
+    ap.add_argument("--kl-tokens", type=int, default=8192, help="eval tokens for KL(fp32 || variant)")
     ap.add_argument("--max-tokens", type=int, default=32768)
-    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--work", default=str(ROOT / "out" / "bench_prune_lowrank"))
@@ -68,11 +70,14 @@ def main() -> None:
     c = {"files": files, "samples": a.calib_samples, "seqlen": a.calib_seqlen, "seed": 0}
     tokens = calib.eval_tokens(load_tokenizer(model), calib.default_eval_files(), a.max_tokens)
     rows: list[dict] = []
+    # KL(fp32 || variant) next to perplexity: a lower-noise measure of the damage when two variants' ppl are close
+    kl_ref = kl_reference(load(model), tokens[: a.kl_tokens], 512)
 
     def record(label: str, kind: str, method: str, setting: str, path: Path, seconds: float) -> None:
         m = load(path)
         row = {"variant": label, "kind": kind, "method": method, "setting": setting,
-               "ppl": perplexity(m, tokens), "bytes": dir_bytes(path),
+               "ppl": perplexity(m, tokens), "kl": kl_against(m, kl_ref)[0], "bytes": dir_bytes(path),
+               "linear_bytes": linear_bytes(path),
                "tok_s": decode_speed(m, a.decode_tokens), "compress_s": seconds}
         rows.append(row)
         print(f"{label}: ppl {row['ppl']:.3f}, {row['bytes'] / 2**20:.2f} MiB, {row['tok_s']:.1f} tok/s, "
@@ -84,7 +89,7 @@ def main() -> None:
     load_tokenizer(model).save_pretrained(fp16)
     record("dense fp16", "dense", "-", "-", fp16, 0.0)
 
-    settings = [(s, "unstructured") for s in a.sparsity] + [(None, "2:4")]
+    settings = [(s, "unstructured") for s in a.sparsity] + ([] if a.no_24 else [(None, "2:4")])
     for sparsity, pattern in settings:
         for method in ("magnitude", "wanda", "sparsegpt"):
             setting = pattern if sparsity is None else f"{sparsity:g}"
@@ -118,6 +123,12 @@ def main() -> None:
     write_report(rows, a, Path(a.results), work)
 
 
+def linear_bytes(path: Path) -> int:
+    """Bytes of the decoder-layer Linear tensors (dense, bitmask-sparse, packed or low-rank: any *_proj* key)."""
+    src = WeightSource(path)
+    return sum(src.get(k).numel() * src.get(k).element_size() for k in src.keys() if ".layers." in k and "_proj" in k)
+
+
 def variant_dir(work: Path, r: dict) -> Path:
     if r["kind"] == "prune":
         return work / f"prune-{r['method']}-{r['setting'].replace(':', 'of')}"
@@ -144,7 +155,9 @@ def write_report(rows: list[dict], a, results: Path, work: Path) -> None:
     table = []
     for r in rows:
         table.append({"variant": r["variant"], "ppl": f"{r['ppl']:.3f}", "ppl_x": f"{r['ppl'] / base['ppl']:.3f}",
+                      "kl_vs_fp32": f"{r['kl']:.4f}" if "kl" in r else "-",
                       "size_MiB": f"{r['bytes'] / 2**20:.2f}", "size_x": f"{r['bytes'] / base['bytes']:.3f}",
+                      "linear_x": f"{r['linear_bytes'] / base['linear_bytes']:.3f}" if "linear_bytes" in r else "-",
                       "tok_s": f"{r['tok_s']:.1f}", "compress_s": f"{r['compress_s']:.0f}"})
     by = {r["variant"]: r for r in rows}
 
@@ -177,7 +190,9 @@ def write_report(rows: list[dict], a, results: Path, work: Path) -> None:
         "",
         f"Command: `OMP_NUM_THREADS={torch.get_num_threads()} python bench/prune_lowrank.py "
         f"--sparsity {' '.join(map(str, a.sparsity))} --ratios {' '.join(map(str, a.ratios))} "
-        f"--max-tokens {a.max_tokens} --calib-samples {a.calib_samples}`"
+        f"--max-tokens {a.max_tokens} --calib-samples {a.calib_samples}"
+        + f" --speed-rounds {a.speed_rounds}" + (" --no-24" if a.no_24 else "")
+        + (" --no-pipeline" if a.no_pipeline else "") + "`"
         + (" (this report: decode speeds re-measured by a later `--speed-only` run over that run's outputs)"
            if a.speed_only else ""),
         "",
@@ -189,9 +204,13 @@ def write_report(rows: list[dict], a, results: Path, work: Path) -> None:
         "outputs after they are all written (still noisy: other jobs share the cores; pruned weights are "
         "decompressed to dense at load, "
         "so no sparse speed-up is expected; low-rank runs two smaller matmuls). Only decoder-layer Linears are "
-        "compressed; the tied embedding / lm_head stays fp16.",
+        "compressed; the tied embedding / lm_head stays fp16 (it is not pruned by default). `size_x`: whole file "
+        "/ dense fp16 file; `linear_x`: the decoder-layer Linear tensors only (values + bitmasks + row offsets "
+        "when pruned) / the same in dense fp16. `kl_vs_fp32`: mean per-token KL(fp32 original || variant) of the "
+        f"next-token distributions on the first {a.kl_tokens} eval tokens.",
         "",
-        format_table(table, ["variant", "ppl", "ppl_x", "size_MiB", "size_x", "tok_s", "compress_s"]),
+        format_table(table, ["variant", "ppl", "ppl_x", "kl_vs_fp32", "size_MiB", "size_x", "linear_x", "tok_s",
+                             "compress_s"]),
         "",
         "## Targets",
         "",

@@ -44,6 +44,8 @@ def _add_quantize(sub) -> None:
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seqlen", type=int, default=512)
     p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing Hessian diagonal")
+    p.add_argument("--mse-clip", action="store_true", help="rtn/gptq/awq: per group, shrink the range to the "
+                   "clipping that minimises the weight error (GPTQ's mse option); off by default, as in GPTQModel")
     p.add_argument("--skip", default="lm_head", help="comma-separated module names/patterns kept in fp16 "
                    "(default lm_head; '' quantizes everything)")
     p.add_argument("--overwrite", action="store_true")
@@ -81,7 +83,8 @@ def cmd_quantize(a: argparse.Namespace) -> int:
             tok = load_tokenizer(str(model), a.trust_remote_code)
         opt = pipeline.QuantizeOptions(
             bits=a.bits, group_size=a.group_size, method=method, sym=bool(a.sym), calib_files=files,
-            calib_samples=a.calib_samples, calib_seqlen=a.calib_seqlen, skip=skip, act_order=a.act_order,
+            calib_samples=a.calib_samples, calib_seqlen=a.calib_seqlen, skip=skip,
+            act_order=a.act_order, mse=a.mse_clip,
             group_fallback=not a.no_group_fallback, trust_remote_code=a.trust_remote_code, seed=a.seed)
         summary = pipeline.quantize(str(model), out, opt, tok)
     print(f"wrote {out}: {method} {a.bits}-bit, {summary['quantized']} Linear layers quantized, "

@@ -6,6 +6,7 @@ import inspect
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,32 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = 512, batch:
 
 
 @torch.no_grad()
-def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16) -> float:
+def kl_reference(fp: nn.Module, tokens: torch.Tensor, seqlen: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(window batch, fp log-probs) pairs over the whole windows of seqlen tokens, for kl_against."""
+    n = tokens.numel() // seqlen * seqlen
+    return [(w, torch.log_softmax(fp(input_ids=w).logits.float(), -1)) for w in tokens[:n].view(-1, seqlen).split(8)]
+
+
+@torch.no_grad()
+def kl_against(m: nn.Module, ref: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """Mean per-token KL(fp || m) and top-1 agreement over kl_reference's windows."""
+    kl, agree, count = 0.0, 0, 0
+    for w, lp in ref:
+        lq = torch.log_softmax(m(input_ids=w).logits.float(), -1)
+        kl += (lp.exp() * (lp - lq)).sum().item()
+        agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
+        count += lp.shape[0] * lp.shape[1]
+    return kl / count, agree / count
+
+
+@torch.no_grad()
+def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
     """Greedy batch-1 decode tokens/s with the KV cache: 1 / median per-token latency after 2 warm-up steps.
 
     The median (not the mean) because the machine may be shared: a descheduled step says little about the model.
+    clock=time.process_time counts this process's CPU time only (with 1 torch thread, time spent descheduled by
+    other jobs on a shared machine drops out; memory-bandwidth contention does not).
     """
     vocab = model.config.vocab_size
     dev = next(model.parameters()).device
@@ -52,11 +75,11 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16) -
     nxt = out.logits[:, -1:].argmax(-1)
     times = []
     for i in range(new_tokens + 2):
-        t0 = time.perf_counter()
+        t0 = clock()
         out = model(input_ids=nxt, use_cache=True, **{key: out[key]})
         nxt = out.logits[:, -1:].argmax(-1)
         if i >= 2:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return 1.0 / statistics.median(times)
 
 

@@ -45,6 +45,7 @@ class QuantizeOptions:
     calib_seqlen: int = 512
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
     act_order: bool = False
+    mse: bool = False  # clipping-range search per group (quant.qparams), for every method
     group_fallback: bool = True
     trust_remote_code: bool = False
     batch_size: int = 8
@@ -109,7 +110,7 @@ def quantize(model_dir: str, out: Path, opt: QuantizeOptions, tokenizer=None) ->
         if skipped(name, opt.skip):
             continue
         g, note = resolve_group_size(name, m.in_features, opt.group_size, opt.group_fallback)
-        targets[name] = QuantArgs(opt.bits, g, opt.sym)
+        targets[name] = QuantArgs(opt.bits, g, opt.sym, opt.mse)
         if note:
             notes[name] = note
     if not targets:
@@ -180,7 +181,7 @@ def quantize(model_dir: str, out: Path, opt: QuantizeOptions, tokenizer=None) ->
 
     skipped_names = sorted(n for n in linears if n not in targets)
     memfit = {"method": opt.method, "bits": opt.bits, "group_size": opt.group_size, "symmetric": opt.sym,
-              "act_order": opt.act_order, "skipped": skipped_names,
+              "act_order": opt.act_order, "mse_clip": opt.mse, "skipped": skipped_names,
               "group_size_fallbacks": {n: targets[n].group_size for n in notes},
               "calibration": {"files": len(opt.calib_files), "samples": opt.calib_samples,
                               "seqlen": opt.calib_seqlen} if method.NEEDS_CALIBRATION else None}

@@ -66,6 +66,49 @@ def test_exact_sparsity_and_pattern(pruned, method: str, pattern: str) -> None:
     assert abs(qc["sparsity_config"]["global_sparsity"] - 0.5) < 1e-9
 
 
+@pytest.mark.parametrize("nm", [None, (2, 4)])
+def test_wanda_metric_per_row_on_sequentially_pruned_inputs(tiny: Path, nm) -> None:
+    """Wanda's mask is exactly: score |W_ij| * ||X_j||_2 over every calibration token, the lowest half removed
+    per output row (unstructured) or the 2 lowest of each group of 4 consecutive inputs of a row (2:4), with X
+    the Linear's input in the layer whose earlier Linears are already pruned (true-sequential).
+
+    Running the final pruned layer once gives every Linear exactly those inputs (each Linear's input depends
+    only on the Linears before it), so the reference needs no copy of the pipeline's bookkeeping.
+    """
+    from compress import wanda
+    from compress.layerjob import LayerJob
+    from compress.pipeline import capture_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    layer = model.model.layers[0]
+    inputs = capture_inputs(model, model.model.layers, IDS, 2)
+    lin = {n: layer.get_submodule(n) for n in LINEARS}
+    orig = {n: m.weight.detach().clone() for n, m in lin.items()}
+    job = LayerJob(layer, "model.layers.0.", lin, {}, model.config, inputs, {"sparsity": 0.5, "nm": nm})
+    out = wanda.wanda_layer(job)
+    sq: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def f(_m, a):
+            sq[name] = sq.get(name, 0) + a[0].reshape(-1, a[0].shape[-1]).double().pow(2).sum(0)
+        return f
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in lin.items()]
+    with torch.no_grad():
+        for args, kwargs in inputs:
+            layer(*args, **kwargs)
+    for h in handles:
+        h.remove()
+    for n in LINEARS:
+        score = orig[n].abs() * sq[n].sqrt().float()
+        rows, cols = score.shape
+        g = score.view(rows, cols // 4, 4) if nm else score.view(rows, 1, cols)
+        keep = g.shape[-1] // 2
+        want = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.topk(keep, dim=-1).indices, True).view(rows, cols)
+        assert torch.equal(out[n] != 0, want), n
+        assert torch.equal(out[n][want], orig[n][want]), n  # no weight update
+
+
 def test_calibrated_pruning_keeps_outputs_closer_than_magnitude(pruned, tiny: Path) -> None:
     ref = logits(AutoModelForCausalLM.from_pretrained(tiny), IDS)
     err = {m: float((logits(compress.load(pruned[m, "unstructured"]), IDS) - ref).pow(2).mean())

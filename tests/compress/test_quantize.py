@@ -188,6 +188,25 @@ def test_gptq_beats_rtn_on_every_linear_with_sequential_inputs(tiny: Path, tmp_p
     assert max(ratios.values()) < 0.5, ratios  # measured 0.21 at most
 
 
+def test_mse_clip_never_raises_the_group_error() -> None:
+    """--mse-clip: the clipping search includes the full range (p = 1), so per (row, group) its error
+    sum |w - dequant(w)|**2.4 is never above plain min/max scaling, and with outliers it is clearly lower."""
+    from compress.quant import MSE_NORM
+    from compress.rtn import rtn
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g)
+    w[:, ::37] *= 6  # a few outlier weights per group stretch the plain range
+    def err(args: QuantArgs) -> torch.Tensor:
+        return (rtn(w, args).dequantize() - w).abs().pow(MSE_NORM).view(64, 2, 128).sum(-1)
+
+    for sym in (False, True):
+        for bits in (2, 3, 4):
+            plain, clipped = err(QuantArgs(bits, 128, sym)), err(QuantArgs(bits, 128, sym, mse=True))
+            assert (clipped <= plain * (1 + 1e-6)).all(), (sym, bits)
+            assert clipped.sum() < 0.95 * plain.sum(), (sym, bits)
+
+
 def test_awq_scaling_keeps_the_float_function(tiny: Path) -> None:
     """Folding s into RMSNorm / v_proj / up_proj and 1/s into the next Linears is exact in float."""
     from compress import awq
