@@ -150,7 +150,7 @@ class State:
             if msl > maxpos:
                 raise UserError(f"--max-seq-len {msl} exceeds the model's max_position_embeddings {maxpos}")
             sm = SlotModel(loaded.model, cfg.max_batch, msl,
-                           prefetch=getattr(cfg.placement, "prefetch", True))
+                           prefetch=getattr(cfg.placement, "prefetch", False))
             if loaded.tp > 1:
                 from serve.tp import Driver
 

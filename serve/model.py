@@ -79,7 +79,7 @@ class SlotModel:
     """Wraps an HF ``*ForCausalLM`` (Llama family) with a static slot KV cache."""
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
-                 cache_dtype: torch.dtype | None = None, prefetch: bool = True):
+                 cache_dtype: torch.dtype | None = None, prefetch: bool = False):
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:

@@ -162,7 +162,7 @@ def _expand(model: torch.nn.Module, dm: dict[str, int | str], layers: list[str])
 
 
 def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dict | None, max_batch: int,
-                 max_seq_len: int, dtype: torch.dtype, tp: int = 1, prefetch: bool = True) -> Plan:
+                 max_seq_len: int, dtype: torch.dtype, tp: int = 1, prefetch: bool = False) -> Plan:
     """Place ``model`` (meta or real) with accelerate, reserving each layer's KV cache on its execution device
     (and, with prefetch, room for one more offloaded layer: accelerate itself reserves the one it loads)."""
     from accelerate.utils import compute_module_sizes, get_balanced_memory, get_max_memory, infer_auto_device_map
@@ -256,7 +256,7 @@ class Placement:
     device_map: str | dict = "auto"  # a KEYWORDS entry or {module name: device}
     max_memory: dict | None = None  # accelerate's {0: bytes, "cpu": bytes}; None = what the machine has free
     offload_folder: str | None = None  # None: a temp dir, used only if something must be written
-    prefetch: bool = True  # load the next offloaded layer while the current one runs (serve.offload)
+    prefetch: bool = False  # load the next offloaded layer while the current one runs (serve.offload)
 
 
 def _temp_folder() -> str:
@@ -272,7 +272,7 @@ def _temp_folder() -> str:
 
 def load_placed(path: str, dtype: torch.dtype, device_map: str | dict, max_memory: dict | None,
                 offload_folder: str | None, max_batch: int, max_seq_len: int, compressed: bool,
-                prefetch: bool = True) -> tuple[torch.nn.Module, Plan]:
+                prefetch: bool = False) -> tuple[torch.nn.Module, Plan]:
     """Load ``path`` placed by ``device_map`` (a keyword or a dict); returns the model and the plan it followed."""
     from training.model import load_pretrained
 
