@@ -327,7 +327,7 @@ def main() -> int:
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None, help="memfit --threads (default: serve's, cores - 1)")
+    ap.add_argument("--threads", type=int, default=None, help="memfit --threads (default: serve's, torch's choice)")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--peer-threads", default="default,1",
                     help="thread settings to run the peer with: 'default' (torch's) and/or OMP_NUM_THREADS values")
@@ -373,7 +373,7 @@ def main() -> int:
     servers = [Server("memfit", mf + ["--port", str(p := _free_port())], p, str(model_dir))]
     if not args.no_variants:  # informational rows; the targets use the default configuration above
         for name, extra in (("memfit --dtype bf16 (not fp32: info only)", ["--dtype", "bf16"]),
-                            ("memfit --threads 2", ["--threads", "2"])):
+                            ("memfit --threads 1", ["--threads", "1"])):
             servers.append(Server(name, mf + extra + ["--port", str(p := _free_port())], p, str(model_dir)))
     if not args.skip_peer:
         for threads in args.peer_threads.split(","):
@@ -417,7 +417,7 @@ def main() -> int:
                 notes.append(f"{s.name} failed: {str(e)[:300]}")
         print("== prefill memory", flush=True)
         try:
-            memory = prefill_memory(model_dir, 2048, args.threads or max(1, (os.cpu_count() or 1) - 1))
+            memory = prefill_memory(model_dir, 2048, args.threads or (os.cpu_count() or 1))
             print(f"   {memory}", flush=True)
         except Exception as e:  # noqa: BLE001
             notes.append(f"prefill memory measurement failed: {str(e)[:300]}")

@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before cancelling them")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads for the engine (default: CPU cores - 1, at least 1: one core stays "
-                        "free for HTTP, tokenization and streaming; on a busy 2-core box 2 threads stall badly)")
+                   help="torch intra-op threads for the engine (default: torch's, i.e. OMP_NUM_THREADS or all "
+                        "cores; with --tp N, cores / N per rank). On a 2-core box 2 threads beat 1 at every "
+                        "concurrency when the box is otherwise idle (bench/results/serving.md); set 1 on a busy one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _placement_args(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: launch with `torchrun "
@@ -148,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    cores = os.cpu_count() or 1
-    # tensor parallel: the ranks share the cores; otherwise one core stays free for HTTP and tokenization
-    torch.set_num_threads(args.threads or (max(1, cores // args.tp) if args.tp > 1 else max(1, cores - 1)))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif args.tp > 1 and "OMP_NUM_THREADS" not in os.environ:  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     try:
         placement = _placement(args)
         if args.tp > 1:
