@@ -9,12 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import torch
 
+from serve.demo import _wait_healthy
 from serve.loader import load
 from serve.model import Segment, SlotModel
 from serve.placement import Placement, compute_plan, measured_resident, meta_model, parse_max_memory
@@ -150,15 +150,10 @@ def test_tensor_parallel_2_ranks_over_gloo_serves_the_same_greedy_tokens(deep_di
                          start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert p.poll() is None, p.stdout.read()[-3000:]
-            time.sleep(0.5)
+        try:
+            _wait_healthy(url, p, timeout=180)
+        except RuntimeError as e:
+            raise AssertionError(f"{e}\n{p.stdout.read()[-3000:] if p.poll() is not None else ''}") from None
         health = httpx.get(url + "/health", timeout=5).json()
         assert health["placement"]["tp"] == 2
         # half the KV heads per rank: rank 0's cache is half the single-process one
