@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from tqdm import tqdm
 
 from training import checkpoint as ckpt
@@ -102,6 +102,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
           on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Run training; returns the final metrics. `on_step(step, row)` is called after every step."""
     acc = Accelerator(cpu=not torch.cuda.is_available())
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        # DeepSpeed owns backward/step through its engine; this loop drives them itself (scaler, clipping).
+        raise UserError("DeepSpeed launch configs are not supported: use configs/accelerate/fsdp.yaml (ZeRO-3 "
+                        "style) or configs/accelerate/fsdp_zero2.yaml (ZeRO-2 style)")
     out = Path(cfg.output_dir)
     # Validate every input before the output dir is touched (--overwrite deletes only after this).
     if cfg.model_path:

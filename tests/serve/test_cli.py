@@ -8,10 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from serve.demo import _wait_healthy
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -52,17 +53,10 @@ def test_sigterm_finishes_in_flight_and_exits_0(model_dir):
                           "--max-seq-len", "512", "--log-level", "warning"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert p.poll() is None, p.stdout.read()
-            time.sleep(0.1)
-        else:
-            raise AssertionError("server did not become healthy")
+        try:
+            _wait_healthy(url, p, timeout=90)
+        except RuntimeError as e:
+            raise AssertionError(f"{e}\n{p.stdout.read() if p.poll() is not None else ''}") from None
         body = {"prompt": "ROMEO.", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         n, sent, last = 0, False, ""

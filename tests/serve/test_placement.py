@@ -142,8 +142,8 @@ def _port() -> int:
 
 def test_tensor_parallel_2_ranks_over_gloo_serves_the_same_greedy_tokens(deep_dir, reference):
     port = _port()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(_port())]
+    # --standalone: torchrun picks its own free rendezvous port (a port we pick can be taken before it binds)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     p = subprocess.Popen([*torchrun, "-m", "serve", "--model", deep_dir, "--tp", "2", "--port", str(port),
                           "--max-batch", "2", "--max-seq-len", "64", "--threads", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
