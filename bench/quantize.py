@@ -25,9 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.quantize_speed import speed, speed_report  # noqa: E402
 from compress import calib  # noqa: E402
 from compress.cli import main as compress_main  # noqa: E402
-from compress.evaluate import decode_speed, format_table, kl_against, kl_reference, perplexity  # noqa: E402
+from compress.evaluate import format_table, kl_against, kl_reference, perplexity  # noqa: E402
 from compress.loader import load  # noqa: E402
 from compress.store import WeightSource, dir_bytes  # noqa: E402
 from training.model import load_tokenizer  # noqa: E402
@@ -122,80 +123,6 @@ def quality(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
     return rows, meta
 
 
-def copy_bandwidth() -> float:
-    """Bytes moved (read + write) per second by a 512 MiB tensor copy, best of 5."""
-    x = torch.ones(128 * 2**20)
-    y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        y.copy_(x)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.numel() * 4 / best
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes a decode step reads: every parameter and buffer once, except an untied input embedding
-    (the lookup reads one row; tied, the same tensor is read whole as lm_head, so it counts)."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    head_ptr = getattr(getattr(head, "weight", None), "data_ptr", lambda: None)()
-    seen, total = set(), 0
-    if head_ptr != emb.data_ptr():
-        seen.add(emb.data_ptr())
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
-def speed(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict]:
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    fp_dir = work / "random-107m"
-    if not (fp_dir / "config.json").is_file():
-        cfg = LlamaConfig(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
-                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
-                          tie_word_embeddings=True)
-        torch.manual_seed(0)
-        LlamaForCausalLM(cfg).save_pretrained(fp_dir)
-        vocab = {f"t{i}": i for i in range(8192)}
-        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(
-            fp_dir)
-    for label, method, extra in (("int4-rtn", "rtn", []), ("int4-rtn-lm_head", "rtn", ["--skip", ""]),
-                                 ("nf4-bnb", "nf4", [])):
-        if not (work / f"speed-{label}" / "config.json").is_file():
-            quantize(fp_dir, work / f"speed-{label}", method, 4, extra, [])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)  # see --threads: 2 threads on 2 shared cores stall on the busiest core
-    bw = copy_bandwidth()
-    models = {label: load(path) for label, path in (
-        ("fp32", fp_dir), ("int4-rtn (ours)", work / "speed-int4-rtn"),
-        ("int4-rtn+lm_head (ours)", work / "speed-int4-rtn-lm_head"), ("nf4-bnb", work / "speed-nf4-bnb"))}
-    # round-robin, best of --speed-rounds per model and clock: the cores are shared, so a model measured while
-    # another job ran would otherwise look slower than one measured in a quiet moment
-    wall = dict.fromkeys(models, 0.0)
-    cpu = dict.fromkeys(models, 0.0)
-    for _ in range(args.speed_rounds):
-        for label, m in models.items():
-            n = args.decode_tokens if label != "nf4-bnb" else max(args.decode_tokens // 4, 4)
-            wall[label] = max(wall[label], decode_speed(m, n))
-            cpu[label] = max(cpu[label], decode_speed(m, n, clock=time.process_time))
-            print(f"speed {label}: {wall[label]:.1f} tok/s wall, {cpu[label]:.1f} CPU", flush=True)
-    rows = []
-    for label, m in models.items():
-        nbytes = model_bytes(m)
-        rows.append({"model": label, "params_M": sum(p.numel() for p in m.parameters()) / 1e6,
-                     "tok_s": wall[label], "tok_s_cpu": cpu[label], "weights_MiB_read_per_token": nbytes / 2**20,
-                     "bandwidth_fraction": wall[label] * nbytes / bw})
-    del models
-    torch.set_num_threads(threads)
-    return rows, {"copy_bandwidth_GBps": bw / 1e9, "speed_threads": args.threads, "speed_rounds": args.speed_rounds}
-
-
 def fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -262,39 +189,9 @@ def report(qrows: list[dict], qmeta: dict, srows: list[dict], smeta: dict, args:
         r = by["rtn-3"]["d_ppl"]
         targets.append(("3-bit: GPTQ or AWQ ppl increase <= 0.5x RTN's", f"{best[1]} {best[0]:.3f} vs {r:.3f}",
                         best[0] <= 0.5 * r))
-    if srows:
-        s = {r["model"].split(" ")[0]: r for r in srows}
-        def ratio(a: str, b: str) -> tuple[float, float]:  # wall-clock and CPU-time tokens/s ratios
-            return s[a]["tok_s"] / s[b]["tok_s"], s[a].get("tok_s_cpu", 0) / s[b].get("tok_s_cpu", 1)
-
-        def both(x: tuple[float, float]) -> str:
-            return f"{x[0]:.2f}x wall, {x[1]:.2f}x CPU"
-
-        for k in ("int4-rtn", "int4-rtn+lm_head"):
-            if k in s:
-                x = ratio(k, "fp32")
-                targets.append((f"decode: {k} >= 2x fp32 (batch 1, ~100M)", both(x), min(x) >= 2))
-        for k in ("int4-rtn", "int4-rtn+lm_head"):
-            if k in s:
-                x = ratio(k, "nf4-bnb")
-                targets.append((f"decode: {k} >= 10x bnb NF4", both(x), min(x) >= 10))
-        for r in srows:
-            r["speed_x_fp32"] = r["tok_s"] / s["fp32"]["tok_s"]
-            if "tok_s_cpu" in r:
-                r["cpu_speed_x_fp32"] = r["tok_s_cpu"] / s["fp32"]["tok_s_cpu"]
-        lines += ["## Decode speed: random Llama, batch 1, greedy, KV cache", "",
-                  f"{smeta['speed_threads']} torch thread(s); tokens/s = 1 / median per-token latency over "
-                  f"{args.decode_tokens} tokens (NF4: a quarter of that), best of {smeta.get('speed_rounds', 1)} "
-                  "round-robin passes over the models; `tok_s` from wall-clock time, `tok_s_cpu` from this "
-                  "process's CPU time (time descheduled by other jobs on the shared cores drops out). "
-                  f"Measured copy bandwidth (read + write bytes / s, 512 MiB copy): {smeta['copy_bandwidth_GBps']:.1f} "
-                  "GB/s. `bandwidth_fraction` = weight bytes read per token x tokens/s / that bandwidth (1.0 = at the "
-                  "memory-bandwidth limit). `int4-rtn` keeps lm_head (the tied embedding) in fp32 by default, which "
-                  "dominates its bytes per token; `int4-rtn+lm_head` (`--skip \"\"`) quantizes lm_head too (the "
-                  "untied embedding's lookup reads one row, so it is not counted).", "",
-                  format_table([{k: fmt(v) for k, v in r.items()} for r in srows],
-                               ["model", "params_M", "tok_s", "speed_x_fp32", "tok_s_cpu", "cpu_speed_x_fp32",
-                                "weights_MiB_read_per_token", "bandwidth_fraction"]), ""]
+    slines, stargets = speed_report(srows, smeta, args, fmt)
+    lines += slines
+    targets += stargets
     if targets:  # none when --configs leaves out the rows they compare
         lines += ["## Targets", "", format_table([{"target": t, "measured": m, "result": verdict(ok)}
                                                    for t, m, ok in targets], ["target", "measured", "result"]), ""]
@@ -329,7 +226,7 @@ def merge(old: dict, qrows: list[dict], qmeta: dict, srows: list[dict], smeta: d
           ) -> tuple[list[dict], dict, list[dict], dict]:
     """Stored results (quantize.json) updated with this run's rows, quality rows kept in QUALITY order."""
     qkeys = ("eval_tokens", "eval_files", "kl_tokens", "fp16_linear_MiB")
-    skeys = ("copy_bandwidth_GBps", "speed_threads", "speed_rounds")
+    skeys = ("bitsandbytes", "copy_bandwidth_GBps", "speed_threads", "speed_rounds")
     if qrows:
         new = {r["config"] for r in qrows}
         rows = {r["config"]: r for r in old.get("quality", []) if r["config"] not in new} | {r["config"]: r
@@ -377,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     qrows, qmeta = quality(args, work) if not args.no_quality else ([], {})
-    srows, smeta = speed(args, work) if not args.no_speed else ([], {})
+    srows, smeta = speed(args, work, quantize) if not args.no_speed else ([], {})
     results = Path(args.results)
     if args.update and (results / "quantize.json").is_file():
         qrows, qmeta, srows, smeta = merge(json.loads((results / "quantize.json").read_text()), qrows, qmeta, srows,

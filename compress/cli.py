@@ -101,12 +101,15 @@ def _add_eval(sub) -> None:
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated for the speed measure (0: skip)")
+    p.add_argument("--decode-engine", choices=["auto", "serve", "hf"], default="auto",
+                   help="decode loop for the speed measure: serve's static-cache engine (what `serve` runs), "
+                        "transformers' own forward (hf), or auto: serve where it supports the architecture")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_eval)
 
 
 def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: int | None, decode_tokens: int,
-                  device: str = "cpu") -> list[dict]:
+                  device: str = "cpu", decode_engine: str = "auto") -> list[dict]:
     import compress
     from training.model import load_tokenizer
 
@@ -122,7 +125,13 @@ def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: 
         row = {"model": p, "method": info["method"] if info["quant_method"] != "none" else "fp",
                "bits": info["bits"], "ppl": perplexity(model, tokens, seqlen),
                "size_MiB": info["weights_bytes"] / 2**20}
-        row["tok_s"] = decode_speed(model, decode_tokens) if decode_tokens > 0 else float("nan")
+        engine = decode_engine
+        if engine == "auto":
+            from serve.model import SUPPORTED_TYPES
+
+            engine = "serve" if getattr(model.config, "model_type", None) in SUPPORTED_TYPES else "hf"
+        row["tok_s"] = decode_speed(model, decode_tokens, engine=engine) if decode_tokens > 0 else float("nan")
+        row["engine"] = engine
         rows.append(row)
         del model
     return rows
@@ -134,14 +143,16 @@ def cmd_eval(a: argparse.Namespace) -> int:
     if missing:
         raise UserError(f"--text: {missing[0]} not found (fetch the default with python -m training.shakespeare)")
     torch.manual_seed(0)
-    rows = evaluate_dirs([*a.baseline, a.model], files, a.seqlen, a.max_tokens, a.decode_tokens, a.device)
+    rows = evaluate_dirs([*a.baseline, a.model], files, a.seqlen, a.max_tokens, a.decode_tokens, a.device,
+                         a.decode_engine)
     base = dict(rows[0])
     for r in rows:
         r["ppl_x"] = f"{r['ppl'] / base['ppl']:.3f}"
         r["size_x"] = f"{r['size_MiB'] / base['size_MiB']:.3f}"
         r["speed_x"] = f"{r['tok_s'] / base['tok_s']:.2f}" if a.decode_tokens > 0 else "-"
         r["ppl"], r["size_MiB"], r["tok_s"] = f"{r['ppl']:.3f}", f"{r['size_MiB']:.2f}", f"{r['tok_s']:.1f}"
-    print(format_table(rows, ["model", "method", "bits", "ppl", "ppl_x", "size_MiB", "size_x", "tok_s", "speed_x"]))
+    print(format_table(rows, ["model", "method", "bits", "ppl", "ppl_x", "size_MiB", "size_x", "tok_s", "speed_x",
+                                "engine"]))
     return 0
 
 

@@ -43,4 +43,8 @@ def test_info_and_eval(tiny: Path, tmp_path: Path, eval_file: Path, capsys) -> N
     assert table[0].startswith("| model") and len(table) == 4
     ppl_fp, ppl_q = (float(row.split("|")[4]) for row in table[2:])
     assert 1 < ppl_fp < 400 and 1 < ppl_q < 400  # vocab 320: random-model perplexity is near 320
+    assert [row.split("|")[-2].strip() for row in table[2:]] == ["serve", "serve"]  # llama: serve's engine
+    assert main(["eval", str(out), "--text", str(eval_file), "--decode-tokens", "4", "--seqlen", "64",
+                 "--decode-engine", "hf"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split("|")[-2].strip() == "hf"
     assert main(["eval", str(out), "--text", str(tmp_path / "missing.txt")]) == 2
