@@ -226,7 +226,7 @@ def merge(old: dict, qrows: list[dict], qmeta: dict, srows: list[dict], smeta: d
           ) -> tuple[list[dict], dict, list[dict], dict]:
     """Stored results (quantize.json) updated with this run's rows, quality rows kept in QUALITY order."""
     qkeys = ("eval_tokens", "eval_files", "kl_tokens", "fp16_linear_MiB")
-    skeys = ("bitsandbytes", "copy_bandwidth_GBps", "speed_threads", "speed_rounds")
+    skeys = ("cpu_isa", "bitsandbytes", "copy_bandwidth_GBps", "speed_threads", "speed_rounds")
     if qrows:
         new = {r["config"] for r in qrows}
         rows = {r["config"]: r for r in old.get("quality", []) if r["config"] not in new} | {r["config"]: r

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from compress.evaluate import decode_speed, format_table
+from compress.evaluate import decode_speed, format_table, host_isa
 from compress.loader import load
 
 ENGINES = ("serve", "hf")
@@ -94,7 +94,7 @@ def speed(args: argparse.Namespace, work: Path, quantize: Callable[..., float]) 
     torch.set_num_threads(threads)
     from importlib.metadata import version
 
-    return rows, {"bitsandbytes": version("bitsandbytes"), "copy_bandwidth_GBps": bw / 1e9,
+    return rows, {"cpu_isa": host_isa(), "bitsandbytes": version("bitsandbytes"), "copy_bandwidth_GBps": bw / 1e9,
                   "speed_threads": args.threads, "speed_rounds": args.speed_rounds}
 
 
@@ -129,7 +129,8 @@ def speed_report(srows: list[dict], smeta: dict, args: argparse.Namespace,
     if not srows:
         return [], targets
     lines = ["## Decode speed: random Llama, batch 1, greedy, KV cache", "",
-             f"{smeta['speed_threads']} torch thread(s); tokens/s = 1 / median per-token latency over "
+             f"CPU vector extensions: {smeta.get('cpu_isa', 'not recorded')}; {smeta['speed_threads']} torch "
+             "thread(s); tokens/s = 1 / median per-token latency over "
              f"{args.decode_tokens} tokens, best of {smeta.get('speed_rounds', 1)} round-robin passes over the "
              "models. `engine`: `serve` = serve's packed forward over a static slot KV cache (what `serve` runs; "
              "int4 QKV and gate/up fused into one kernel call each), `hf` = the model's own forward with "

@@ -466,8 +466,11 @@ def main() -> int:
             " (1/5/15 min, at the end of the run; other jobs shared the 2 cores)"
     except OSError:
         pass
+    sys.path.insert(0, str(ROOT))
+    from compress.evaluate import host_isa
+
     data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": data_load,
-            "machine": f"{os.cpu_count()} CPU cores, torch {__import__('torch').__version__}",
+            "machine": f"{os.cpu_count()} CPU cores ({host_isa()}), torch {__import__('torch').__version__}",
             "params": params, "model_desc": desc, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "command": "python " + " ".join(sys.argv), "servers": results, "targets": targets, "memory": memory,
             "notes": notes}

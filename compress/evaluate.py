@@ -58,6 +58,20 @@ def kl_against(m: nn.Module, ref: list[tuple[torch.Tensor, torch.Tensor]]) -> tu
 
 
 @torch.no_grad()
+def host_isa() -> str:
+    """The widest x86 vector extensions of this CPU ("avx512_bf16", "avx512", "avx2" or "other"): kernel speeds,
+    bitsandbytes' CPU path and bf16 all change with them, and the same VM type can boot on either."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return "other"
+    for name, need in (("avx512_bf16", {"avx512f", "avx512_bf16"}), ("avx512", {"avx512f"}), ("avx2", {"avx2"})):
+        if need <= flags:
+            return name
+    return "other"
+
+
 def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
                  clock: Callable[[], float] = time.perf_counter, engine: str = "hf") -> float:
     """Greedy batch-1 decode tokens/s with a KV cache: 1 / median per-token latency after 2 warm-up steps.
