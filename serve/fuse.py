@@ -7,11 +7,13 @@ per decode step, and 15.4 vs 17.4 in a second run. fp32 ``nn.Linear`` is not fus
 measured it 3% faster at batch 1 but 4-11% slower at batch 4 and 16 (MKL's sgemm on the wider matrix
 and the strided splits), so it keeps its separate calls. The originals' packed weights become slices
 of the fused tensor, so memory is not doubled. Only applied to resident modules (no offload hooks, no
-tensor-parallel shards) with the same input size, group size and dtype.
+tensor-parallel shards) with the same input size, group size and dtype, and only where the CPU's int4
+layout keeps the row splits intact (probed once per shape: a split inside a row block would scramble rows).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -25,6 +27,21 @@ def _resident(m: nn.Module) -> bool:
                for t in m.state_dict().values() if isinstance(t, torch.Tensor))
 
 
+@functools.cache
+def _pack_concatenates(rows: tuple[int, ...]) -> bool:
+    """Whether packing matrices of these row counts one by one and concatenating the packs gives the pack of
+    the stacked matrix. The CPU int4 layout interleaves rows in blocks whose size depends on the CPU's vector
+    width (64 rows on an AVX-512 host), so a split inside a block would scramble rows: probed, not assumed."""
+    k = 256
+    w = torch.randint(0, 16, (sum(rows), k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    try:
+        parts = [pack(x.contiguous(), 8) for x in torch.split(w, list(rows))]  # 8: as compress.qlinear
+        return torch.equal(torch.cat(parts), pack(w, 8))
+    except RuntimeError:
+        return False
+
+
 def fuse(mods: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function computing ``torch.cat([m(x) for m in mods], -1)`` with one kernel call, or None."""
     if not all(_resident(m) for m in mods):
@@ -34,7 +51,8 @@ def fuse(mods: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None
     if all(type(m) is QuantLinear and m.backend == "int4_cpu" and m.bias is None for m in mods):
         if len({(m.in_features, m.group_size, m.scale_zeros.dtype) for m in mods}) != 1:
             return None
-        # the CPU int4 pack is row-separable: packing concatenated rows == concatenating packs (tested)
+        if not _pack_concatenates(tuple(m.out_features for m in mods)):
+            return None
         packed = torch.cat([m.packed for m in mods])
         scale_zeros = torch.cat([m.scale_zeros for m in mods], dim=1).contiguous()
         off = 0
