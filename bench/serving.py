@@ -332,7 +332,7 @@ def main() -> int:
     ap.add_argument("--peer-threads", default="default,1",
                     help="thread settings to run the peer with: 'default' (torch's) and/or OMP_NUM_THREADS values")
     ap.add_argument("--skip-extra", action="store_true", help="skip memory and quantized runs")
-    ap.add_argument("--no-variants", action="store_true", help="skip the memfit bf16 / 2-thread rows")
+    ap.add_argument("--no-variants", action="store_true", help="skip the memfit bf16 / 1-thread / MKL rows")
     ap.add_argument("--model", default=None, help="use this model dir instead of building the random 30M one")
     ap.add_argument("--render-only", action="store_true",
                     help="re-render serving.md/png from bench/results/serving.json (no measurement)")
@@ -373,7 +373,8 @@ def main() -> int:
     servers = [Server("memfit", mf + ["--port", str(p := _free_port())], p, str(model_dir))]
     if not args.no_variants:  # informational rows; the targets use the default configuration above
         for name, extra in (("memfit --dtype bf16 (not fp32: info only)", ["--dtype", "bf16"]),
-                            ("memfit --threads 1", ["--threads", "1"])):
+                            ("memfit --threads 1", ["--threads", "1"]),
+                            ("memfit --dense-kernel off (MKL sgemm, the pre-oneDNN path)", ["--dense-kernel", "off"])):
             servers.append(Server(name, mf + extra + ["--port", str(p := _free_port())], p, str(model_dir)))
     if not args.skip_peer:
         for threads in args.peer_threads.split(","):

@@ -44,6 +44,7 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
+    dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
 
 
 class APIError(Exception):
@@ -150,7 +151,7 @@ class State:
             if msl > maxpos:
                 raise UserError(f"--max-seq-len {msl} exceeds the model's max_position_embeddings {maxpos}")
             sm = SlotModel(loaded.model, cfg.max_batch, msl,
-                           prefetch=getattr(cfg.placement, "prefetch", False))
+                           prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel)
             if loaded.tp > 1:
                 from serve.tp import Driver
 
@@ -173,7 +174,8 @@ class State:
 
 
 def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
-    info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device()}
+    info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device(),
+                  "onednn_linears": getattr(sm, "dense_packed", 0)}
     if loaded.plan is not None:
         info.update(loaded.plan.summary())
         info["offloaded_layers"] = len(sm.prefetch.offloaded)

@@ -62,6 +62,9 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
                    "cuda:0=20GiB,cpu=48GiB (implies --device-map auto); the KV cache is counted in it")
     p.add_argument("--offload-folder", default=None, help="where disk-offloaded tensors that must be converted "
                    "are written (default: a temp dir; safetensors checkpoints are read in place)")
+    p.add_argument("--dense-kernel", choices=["auto", "on", "off"], default="auto",
+                   help="fp32 CPU Linears through oneDNN on weights reordered once at load (serve/dense.py): auto "
+                        "times both kernels on the model's largest Linear at load and uses oneDNN where faster")
     p.add_argument("--offload-prefetch", action="store_true",
                    help="load the next offloaded layer on a background thread while the current one runs (off by "
                         "default: on CPU it measured no faster than accelerate's own hooks, bench/placement.py)")
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServeConfig(model_path=args.model, served_name=args.served_model_name, dtype=args.dtype,
                       quantize=args.quantize, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                       prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
-                      max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp)
+                      max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp,
+                      dense_kernel=args.dense_kernel)
     app = create_app(cfg)
     state = app.state.serve
     failure: list[BaseException] = []
@@ -217,7 +221,7 @@ def _tp_worker(args: argparse.Namespace) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
     msl = args.max_seq_len or min(loaded.max_positions, 2048)  # as rank 0's State.load
-    tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl))
+    tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl, dense_kernel=args.dense_kernel))
     return 0
 
 

@@ -79,7 +79,7 @@ class SlotModel:
     """Wraps an HF ``*ForCausalLM`` (Llama family) with a static slot KV cache."""
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
-                 cache_dtype: torch.dtype | None = None, prefetch: bool = False):
+                 cache_dtype: torch.dtype | None = None, prefetch: bool = False, dense_kernel: str = "off"):
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:
@@ -116,8 +116,12 @@ class SlotModel:
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
+        from serve.dense import pack_linears
         from serve.fuse import fuse
         from serve.offload import LayerPrefetcher
+
+        # fp32 CPU Linears on oneDNN's reordered weights (serve.dense; replaces modules of the HF model)
+        self.dense_packed = pack_linears(hf_model, dense_kernel)
 
         self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
         self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj]) if all(

@@ -1,0 +1,64 @@
+"""serve.dense: fp32 CPU Linears on oneDNN's reordered weights give the same outputs and the same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from serve.dense import OneDNNLinear, available, pack_linears
+from serve.model import Segment, SlotModel
+
+pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_equals_f_linear(bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(2, 5, 96, generator=g)
+    ref = lin(x)
+    with torch.no_grad():
+        torch.testing.assert_close(OneDNNLinear(lin)(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def _model(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _greedy(sm: SlotModel, n: int = 12) -> list[int]:
+    ids = torch.tensor([5, 17, 42, 99, 7])
+    nxt = sm.forward(ids, [Segment(0, 0, len(ids))]).argmax(-1)
+    out = [int(nxt)]
+    for pos in range(len(ids), len(ids) + n - 1):
+        nxt = sm.forward(nxt, [Segment(0, pos, 1)]).argmax(-1)
+        out.append(int(nxt))
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_serves_the_same_tokens(tied: bool) -> None:
+    ref_model, model = _model(tied), _model(tied)
+    ref = SlotModel(ref_model, 1, 32, dense_kernel="off")
+    sm = SlotModel(model, 1, 32, dense_kernel="on")
+    # 7 Linears per layer; an untied lm_head too; a tied one stays (the embedding needs the plain layout)
+    assert sm.dense_packed == 2 * 7 + (0 if tied else 1)
+    assert type(model.lm_head) is (nn.Linear if tied else OneDNNLinear)
+    assert type(model.model.layers[0].mlp.down_proj) is OneDNNLinear
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    torch.testing.assert_close(sm.forward(ids, [Segment(0, 0, 8)]), ref.forward(ids, [Segment(0, 0, 8)]),
+                               atol=1e-4, rtol=1e-4)
+    assert _greedy(sm) == _greedy(ref)
+    with torch.no_grad():  # the HF forward runs through the replaced modules too
+        torch.testing.assert_close(model(ids[None]).logits, ref_model(ids[None]).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_off_and_other_dtypes_are_left_alone() -> None:
+    assert pack_linears(_model(False), "off") == 0
+    assert pack_linears(_model(False).to(torch.bfloat16), "on") == 0
+    with pytest.raises(ValueError, match="dense kernel mode"):
+        pack_linears(_model(False), "fast")
