@@ -67,9 +67,11 @@ def speed(args: argparse.Namespace, work: Path, quantize: Callable[..., float]) 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)  # see --threads: 2 threads on 2 shared cores stall on the busiest core
     bw = copy_bandwidth()
-    models = {label: load(path) for label, path in (
-        ("fp32", fp_dir), ("int4-rtn (ours)", work / "speed-int4-rtn"),
-        ("int4-rtn+lm_head (ours)", work / "speed-int4-rtn-lm_head"), ("nf4-bnb", work / "speed-nf4-bnb"))}
+    paths = (("fp32", fp_dir), ("int4-rtn (ours)", work / "speed-int4-rtn"),
+             ("int4-rtn+lm_head (ours)", work / "speed-int4-rtn-lm_head"), ("nf4-bnb", work / "speed-nf4-bnb"))
+    # one copy per engine: serve's engine swaps fp32 Linears for oneDNN ones in place (serve.dense)
+    copies = {engine: {label: load(path) for label, path in paths} for engine in ENGINES}
+    models = copies["hf"]
     # round-robin, best of --speed-rounds per model, engine and clock: the cores are shared, so a model measured
     # while another job ran would otherwise look slower than one measured in a quiet moment
     keys = [(label, engine) for engine in ENGINES for label in models]
@@ -77,7 +79,7 @@ def speed(args: argparse.Namespace, work: Path, quantize: Callable[..., float]) 
     cpu = dict.fromkeys(keys, 0.0)
     for _ in range(args.speed_rounds):
         for label, engine in keys:
-            m, n = models[label], args.decode_tokens
+            m, n = copies[engine][label], args.decode_tokens
             wall[label, engine] = max(wall[label, engine], decode_speed(m, n, engine=engine))
             cpu[label, engine] = max(cpu[label, engine], decode_speed(m, n, clock=time.process_time, engine=engine))
             print(f"speed {label} ({engine}): {wall[label, engine]:.1f} tok/s wall, {cpu[label, engine]:.1f} CPU",
@@ -90,7 +92,7 @@ def speed(args: argparse.Namespace, work: Path, quantize: Callable[..., float]) 
                      "tok_s": wall[label, engine], "tok_s_cpu": cpu[label, engine],
                      "weights_MiB_read_per_token": nbytes / 2**20, "ceiling_tok_s": bw / nbytes,
                      "bandwidth_fraction": wall[label, engine] * nbytes / bw})
-    del models
+    del models, copies
     torch.set_num_threads(threads)
     from importlib.metadata import version
 
@@ -133,8 +135,9 @@ def speed_report(srows: list[dict], smeta: dict, args: argparse.Namespace,
              "thread(s); tokens/s = 1 / median per-token latency over "
              f"{args.decode_tokens} tokens, best of {smeta.get('speed_rounds', 1)} round-robin passes over the "
              "models. `engine`: `serve` = serve's packed forward over a static slot KV cache (what `serve` runs; "
-             "int4 QKV and gate/up fused into one kernel call each), `hf` = the model's own forward with "
-             "transformers' dynamic cache (what `generate` runs). `tok_s` from wall-clock time, `tok_s_cpu` from "
+             "int4 QKV and gate/up fused into one kernel call each, fp32 Linears on oneDNN where timed faster "
+             "at load), `hf` = the model's own forward with transformers' dynamic cache (what `generate` runs). "
+             "`tok_s` from wall-clock time, `tok_s_cpu` from "
              "this process's CPU time (time descheduled by other jobs on the shared cores drops out). "
              f"Measured copy bandwidth (read + write bytes / s, 512 MiB copy): {smeta['copy_bandwidth_GBps']:.1f} "
              "GB/s. `ceiling_tok_s` = that bandwidth / weight bytes read per token (the speed if each token only "

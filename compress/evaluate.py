@@ -78,7 +78,8 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
 
     engine="hf": the model's own forward with transformers' dynamic cache (what `generate` runs);
     engine="serve": the serve engine's packed forward over a static slot cache (serve.model.SlotModel, what
-    `serve` runs: fused QKV / gate-up int4 kernels, no per-step cache reallocation).
+    `serve` runs: fused QKV / gate-up int4 kernels, oneDNN fp32 Linears where timed faster, no per-step cache
+    reallocation). It replaces the model's fp32 Linears in place (serve.dense): measure "hf" on another copy.
     The median (not the mean) because the machine may be shared: a descheduled step says little about the model.
     clock=time.process_time counts this process's CPU time only (with 1 torch thread, time spent descheduled by
     other jobs on a shared machine drops out; memory-bandwidth contention does not).
@@ -108,7 +109,7 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
 def _slot_decode_speed(model: nn.Module, ids: torch.Tensor, new_tokens: int, clock: Callable[[], float]) -> float:
     from serve.model import Segment, SlotModel  # serve builds on compress; imported only when asked for
 
-    sm = SlotModel(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2)
+    sm = SlotModel(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2, dense_kernel="auto")
     nxt = sm.forward(ids, [Segment(0, 0, len(ids))]).argmax(-1)
     pos, times = len(ids), []
     for i in range(new_tokens + 2):
