@@ -69,9 +69,10 @@ def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return out
 
 
-def _faster(linear: nn.Linear, rounds: int = 5, calls: int = 8) -> bool:
+def _faster(linear: nn.Linear, rounds: int = 5) -> bool:
     """Whether oneDNN beats F.linear on this weight at M = 1 and M = 16 (best of interleaved rounds)."""
     packed = OneDNNLinear(linear)
+    calls = max(1, min(8, 2**24 // linear.weight.numel()))  # a 7B model's MLP: 1 call a timing, ~0.5 s in all
     best = {"mkl": [float("inf")] * 2, "onednn": [float("inf")] * 2}
     xs = [torch.randn(m, linear.in_features) for m in (1, 16)]
     with torch.inference_mode():

@@ -62,3 +62,11 @@ def test_off_and_other_dtypes_are_left_alone() -> None:
     assert pack_linears(_model(False).to(torch.bfloat16), "on") == 0
     with pytest.raises(ValueError, match="dense kernel mode"):
         pack_linears(_model(False), "fast")
+
+
+def test_auto_packs_all_or_nothing_after_timing_both_kernels() -> None:
+    model = _model(False)
+    n = pack_linears(model, "auto")  # the choice depends on this CPU; either way every eligible Linear agrees
+    assert n in (0, 2 * 7 + 1)
+    kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, OneDNNLinear))}
+    assert kinds == ({OneDNNLinear} if n else {nn.Linear})
