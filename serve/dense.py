@@ -16,7 +16,11 @@ with another parameter (a tied lm_head: the embedding still needs the plain layo
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +91,34 @@ def _faster(linear: nn.Linear, rounds: int = 5) -> bool:
     return best["onednn"][0] < 0.9 * best["mkl"][0] and best["onednn"][1] <= 1.05 * best["mkl"][1]
 
 
+def _file_maps() -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of *.safetensors files (weights loaded zero-copy)."""
+    out = []
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].endswith(".safetensors"):
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                out.append((a, b))
+    except OSError:
+        pass
+    return out
+
+
+def _drop_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
+    """Give back the page-cache pages of a weight read zero-copy from a safetensors file once nothing uses
+    it: they are clean copies of the file, but still count in the server's RSS (measured +124 MiB for the
+    serving benchmark's 33.7M model). Only whole pages inside the tensor, only inside a file mapping."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    if not any(a <= start and end <= b for a, b in maps):
+        return
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+
+
 def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     """Replace the model's eligible fp32 CPU Linears by OneDNNLinear; returns how many were replaced."""
     if mode not in MODES:
@@ -98,6 +130,10 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
         return 0
     if mode == "auto" and not _faster(max((c for _, _, c in todo), key=lambda c: c.weight.numel())):
         return 0
+    maps = _file_maps() if sys.platform.startswith("linux") else []
     for parent, name, child in todo:
         setattr(parent, name, OneDNNLinear(child))
+        w = child.weight.detach()
+        del child  # the module held the only reference to this weight (candidates share no storage)
+        _drop_file_pages(w, maps)
     return len(todo)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -70,3 +74,26 @@ def test_auto_packs_all_or_nothing_after_timing_both_kernels() -> None:
     assert n in (0, 2 * 7 + 1)
     kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, OneDNNLinear))}
     assert kinds == ({OneDNNLinear} if n else {nn.Linear})
+
+
+def _rss_file_kib() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_packing_gives_back_the_page_cache_of_zero_copy_weights(tmp_path) -> None:
+    from serve.loader import load
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    linear_kib = 4 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4 // 1024  # 16.5 MiB of fp32 Linears
+    shutil.copy(Path(__file__).parent.parent.parent / "models" / "shakespeare-llama" / "tokenizer.json",
+                tmp_path / "m")
+    loaded = load(str(tmp_path / "m"))
+    before = _rss_file_kib()
+    sm = SlotModel(loaded.model, 1, 32, dense_kernel="on")
+    assert sm.dense_packed == 4 * 7
+    # reordering reads every weight; their file pages are dropped again, not left counted in RSS
+    assert _rss_file_kib() - before < linear_kib // 4
