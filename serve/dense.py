@@ -2,14 +2,15 @@
 
 Why: at serving batch sizes (M = 1..16 rows) ``F.linear`` runs MKL's sgemm on the row-major weight, which
 streamed ~10 GB/s of weights on the 2-core AVX-512 host of the serving benchmark (read bandwidth 31 GB/s).
-oneDNN's inner product on a pre-reordered weight (the kernel inductor uses after freezing) was 1.1-2.4x
+oneDNN's inner product on a pre-reordered weight (`torch.ops.mkldnn._linear_pointwise`) was 1.1-2.4x
 faster per call at M = 1..256 in an A/B of the same shapes. On the serving benchmark's 33.7M Llama, a whole
 decode step with 2 threads was 1.48x faster at batch 1 and 1.23x at batch 16 (10.7 vs 15.8 ms, 24.2 vs
 29.8 ms); with 1 thread only 1.04x. Because the gain depends on the CPU and the thread count, ``auto``
 times both kernels on the model's own largest Linear shape at load and packs only when oneDNN wins.
 Results equal ``F.linear`` to fp32 rounding (max |diff| 2e-6 on that model's logits).
 
-The reordered weight replaces the original (no second copy). Skipped: other dtypes, non-CPU, modules
+The reordered weight replaces the original (no second copy; where the original was read zero-copy from a
+safetensors mmap, its page-cache pages are given back too). Skipped: other dtypes, non-CPU, modules
 with offload hooks or tensor-parallel shards, subclasses (bitsandbytes, compress), and weights shared
 with another parameter (a tied lm_head: the embedding still needs the plain layout).
 """
