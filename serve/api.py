@@ -45,6 +45,7 @@ class ServeConfig:
     placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
     dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
+    engine_thread: bool = True  # False: the caller runs engine.run() (the serve CLI: on the main thread)
 
 
 class APIError(Exception):
@@ -159,7 +160,8 @@ class State:
             self.placement = _placement_info(loaded, sm)
             _warmup(sm)
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
-            self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics)
+            self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics,
+                                 own_thread=cfg.engine_thread)
             if self.status == "loading":
                 self.status = "ready"
             log.info("model %s ready: max_batch=%d max_seq_len=%d kv_cache=%.1f MiB quantized=%s", self.name,

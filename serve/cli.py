@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from training.errors import UserError
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                       quantize=args.quantize, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                       prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp,
-                      dense_kernel=args.dense_kernel)
+                      dense_kernel=args.dense_kernel, engine_thread=False)
     app = create_app(cfg)
     state = app.state.serve
     failure: list[BaseException] = []
@@ -192,10 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     state.on_failed = on_failed
-    # uvicorn re-raises the captured SIGTERM after its graceful shutdown; a no-op handler makes that exit 0
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # HTTP on a second thread, the engine on this (main) one: measured 1.3-1.6x faster (serve/engine.py).
+    # uvicorn installs no signal handlers off the main thread, so SIGTERM/SIGINT come here: stop admitting,
+    # let in-flight requests finish (uvicorn's graceful shutdown), then the lifespan stops the engine.
+    signal.signal(signal.SIGTERM, server.handle_exit)
+    signal.signal(signal.SIGINT, server.handle_exit)
+    http = threading.Thread(target=server.run, name="serve-http", daemon=True)
     log.info("serve: model %s on http://%s:%d (health 503 until loaded)", args.model, args.host, args.port)
-    server.run()
+    http.start()
+    while not state.ready_event.wait(0.2) and http.is_alive():
+        pass
+    if state.engine is not None and http.is_alive():
+        state.engine.run()  # returns once the lifespan shutdown calls engine.stop()
+    http.join()
     if args.tp > 1 and state.engine is not None and hasattr(state.engine.model, "close"):
         state.engine.model.close()  # the workers exit after rank 0's last step
     if failure:
