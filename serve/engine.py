@@ -1,4 +1,5 @@
-"""Continuous-batching engine: one scheduler thread owns the model and the slot KV cache.
+"""Continuous-batching engine: one scheduler loop (its own thread, or the caller's) owns the model and the slot
+KV cache.
 
 Each step: admit waiting sequences into free slots (FIFO), drop cancelled ones, then build one packed
 batch: every running decode (1 token each) first, then prefill chunks (at most ``prefill_chunk``
