@@ -34,7 +34,8 @@ def test_fused_int4_equals_separate_calls_or_is_refused(rows: list[int]) -> None
         torch.testing.assert_close(m(x), y, atol=0, rtol=0)
 
 
-def test_pack_probe_detects_a_scrambling_split() -> None:
-    # a 16-row piece is smaller than the int4 layout's row block on AVX2 and AVX-512 CPUs alike
+def test_pack_probe_accepts_whole_blocks() -> None:
+    # which smaller splits scramble rows depends on the CPU (AVX-512: anything not a multiple of 64); the
+    # parametrized test above checks the safety property on any CPU: fused output == separate calls
     assert _pack_concatenates((64, 64))
-    assert not _pack_concatenates((16, 48))
+    assert _pack_concatenates((128, 64, 64))
