@@ -57,7 +57,6 @@ def kl_against(m: nn.Module, ref: list[tuple[torch.Tensor, torch.Tensor]]) -> tu
     return kl / count, agree / count
 
 
-@torch.no_grad()
 def host_isa() -> str:
     """The widest x86 vector extensions of this CPU ("avx512_bf16", "avx512", "avx2" or "other"): kernel speeds,
     bitsandbytes' CPU path and bf16 all change with them, and the same VM type can boot on either."""

@@ -18,6 +18,7 @@ with another parameter (a tied lm_head: the embedding still needs the plain layo
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import time
@@ -74,8 +75,11 @@ def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return out
 
 
-def _faster(linear: nn.Linear, rounds: int = 5) -> bool:
-    """Whether oneDNN beats F.linear on this weight at M = 1 and M = 16 (best of interleaved rounds)."""
+@functools.cache
+def _faster(out_features: int, in_features: int, threads: int, rounds: int = 5) -> bool:
+    """Whether oneDNN beats F.linear on a weight of this shape at M = 1 and M = 16 (best of interleaved rounds).
+    Cached: every SlotModel over the same shapes and thread count (bench loops) gets the first answer."""
+    linear = nn.Linear(in_features, out_features, bias=False)
     packed = OneDNNLinear(linear)
     calls = max(1, min(8, 2**24 // linear.weight.numel()))  # a 7B model's MLP: 1 call a timing, ~0.5 s in all
     best = {"mkl": [float("inf")] * 2, "onednn": [float("inf")] * 2}
@@ -129,12 +133,12 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     todo = _candidates(model)
     if not todo:
         return 0
-    if mode == "auto" and not _faster(max((c for _, _, c in todo), key=lambda c: c.weight.numel())):
+    largest = max((c for _, _, c in todo), key=lambda c: c.weight.numel())
+    if mode == "auto" and not _faster(largest.out_features, largest.in_features, torch.get_num_threads()):
         return 0
     maps = _file_maps() if sys.platform.startswith("linux") else []
     for parent, name, child in todo:
         setattr(parent, name, OneDNNLinear(child))
-        w = child.weight.detach()
-        del child  # the module held the only reference to this weight (candidates share no storage)
-        _drop_file_pages(w, maps)
+        # nothing else reads this weight now (candidates share no storage with another parameter)
+        _drop_file_pages(child.weight.detach(), maps)
     return len(todo)

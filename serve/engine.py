@@ -101,6 +101,7 @@ class Engine:
         self.steps = 0
         self.step_hook: Callable[[list[Segment]], None] | None = None  # tests: observe / fault-inject
         self._done = threading.Event()
+        self._started = False  # run() entered (stop() waits for the loop only then)
         # own_thread=False: the caller runs the loop with run() on its own thread. `serve` does that on the
         # process's main thread: the same engine ran 1.3-1.6x faster there than on a second thread (A/B in one
         # script, 2 cores: concurrency 1 57-71 vs 35-41 tok/s, 16: 342-366 vs 237-288; on a second thread every
@@ -142,8 +143,6 @@ class Engine:
     @property
     def alive(self) -> bool:
         return not self._done.is_set()
-
-    _started = False
 
     def run(self) -> None:
         """The scheduler loop; returns after stop(). Called by the engine's own thread, or by the caller."""
