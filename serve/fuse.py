@@ -3,9 +3,10 @@
 Why: at decode batch sizes each int4 projection is a small, overhead-bound kernel call plus a bf16
 conversion of its input and back, so 7 calls per layer become 4. Measured (A/B in one process, CPU time,
 one thread, the serving benchmark's 33.7M Llama as a compress 4-bit output, batch 1): 13.4 vs 14.8 ms
-per decode step, and 15.4 vs 17.4 in a second run. fp32 ``nn.Linear`` is not fused: the same A/B
-measured it 3% faster at batch 1 but 4-11% slower at batch 4 and 16 (MKL's sgemm on the wider matrix
-and the strided splits), so it keeps its separate calls. The originals' packed weights become slices
+per decode step, and 15.4 vs 17.4 in a second run. fp32 ``nn.Linear`` on MKL's sgemm is not fused: the
+same A/B measured it 3% faster at batch 1 but 4-11% slower at batch 4 and 16 (the wider matrix and the
+strided splits), so it keeps its separate calls; on oneDNN (serve.dense) it is fused at packing time and
+only handed over here. The originals' packed weights become slices
 of the fused tensor, so memory is not doubled. Only applied to resident modules (no offload hooks, no
 tensor-parallel shards) with the same input size, group size and dtype, and only where the CPU's int4
 layout keeps the row splits intact (probed once per shape: a split inside a row block would scramble rows).
@@ -44,9 +45,16 @@ def _pack_concatenates(rows: tuple[int, ...]) -> bool:
 
 def fuse(mods: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function computing ``torch.cat([m(x) for m in mods], -1)`` with one kernel call, or None."""
+    from compress.qlinear import QuantLinear
+    from serve.dense import FusedSlice
+
+    if all(type(m) is FusedSlice for m in mods) and len({id(m.fused) for m in mods}) == 1 \
+            and [(m.start, m.stop) for m in mods] == list(zip([0] + [m.stop for m in mods[:-1]],
+                                                              [m.stop for m in mods], strict=True)) \
+            and mods[-1].stop == mods[0].fused.out_features:
+        return mods[0].fused  # serve.dense packed them as one weight already
     if not all(_resident(m) for m in mods):
         return None
-    from compress.qlinear import QuantLinear
 
     if all(type(m) is QuantLinear and m.backend == "int4_cpu" and m.bias is None for m in mods):
         if len({(m.in_features, m.group_size, m.scale_zeros.dtype) for m in mods}) != 1:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serve.dense import OneDNNLinear, available, pack_linears
+from serve.dense import FusedSlice, OneDNNLinear, available, pack_linears
 from serve.model import Segment, SlotModel
 
 pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
@@ -52,7 +52,13 @@ def test_packed_model_serves_the_same_tokens(tied: bool) -> None:
     # 7 Linears per layer; an untied lm_head too; a tied one stays (the embedding needs the plain layout)
     assert sm.dense_packed == 2 * 7 + (0 if tied else 1)
     assert type(model.lm_head) is (nn.Linear if tied else OneDNNLinear)
-    assert type(model.model.layers[0].mlp.down_proj) is OneDNNLinear
+    layer = model.model.layers[0]
+    assert type(layer.mlp.down_proj) is OneDNNLinear and type(layer.self_attn.o_proj) is OneDNNLinear
+    # q/k/v and gate/up share one packed weight each, and SlotModel calls it once
+    assert {type(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")} == {FusedSlice}
+    assert layer.self_attn.q_proj.fused is layer.self_attn.v_proj.fused is sm.qkv[0]
+    assert layer.mlp.gate_proj.fused is sm.gate_up[0]
+    assert (layer.self_attn.k_proj.start, layer.self_attn.k_proj.stop) == (64, 96)
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     torch.testing.assert_close(sm.forward(ids, [Segment(0, 0, 8)]), ref.forward(ids, [Segment(0, 0, 8)]),
                                atol=1e-4, rtol=1e-4)
@@ -72,8 +78,22 @@ def test_auto_packs_all_or_nothing_after_timing_both_kernels() -> None:
     model = _model(False)
     n = pack_linears(model, "auto")  # the choice depends on this CPU; either way every eligible Linear agrees
     assert n in (0, 2 * 7 + 1)
-    kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, OneDNNLinear))}
-    assert kinds == ({OneDNNLinear} if n else {nn.Linear})
+    kinds = {type(m) for m in model.modules() if isinstance(m, (nn.Linear, OneDNNLinear, FusedSlice))}
+    assert kinds == ({OneDNNLinear, FusedSlice} if n else {nn.Linear})
+
+
+def test_fused_projections_with_bias_equal_the_separate_linears() -> None:
+    torch.manual_seed(0)
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = nn.Linear(48, 32), nn.Linear(48, 16), nn.Linear(48, 16)
+    parent.gate_proj, parent.up_proj = nn.Linear(48, 40, bias=False), nn.Linear(48, 40)  # mixed bias: separate
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        ref = {n: getattr(parent, n)(x) for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+        assert pack_linears(parent, "on") == 5
+        assert type(parent.v_proj) is FusedSlice and type(parent.up_proj) is OneDNNLinear
+        for n, y in ref.items():
+            torch.testing.assert_close(getattr(parent, n)(x), y, atol=1e-5, rtol=1e-5)
 
 
 def _rss_file_kib() -> int:
