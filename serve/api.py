@@ -45,7 +45,8 @@ class ServeConfig:
     placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
     dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
-    engine_thread: bool = True  # False: the caller runs engine.run() (the serve CLI: on the main thread)
+    engine_thread: bool = True  # False: the caller runs engine.run() on a thread of its own
+    engine_on_event_loop: bool = False  # True: the engine runs as a task on the server's event loop (serve CLI)
 
 
 class APIError(Exception):
@@ -142,6 +143,16 @@ class State:
         self.on_failed: Callable[[BaseException], None] | None = None
         self.ready_event = threading.Event()
         self.placement: dict | None = None  # where the model runs: shown by /health and /v1/models
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop (set by the lifespan)
+        self.engine_task: asyncio.Task | None = None
+
+    def _start_engine_task(self) -> None:
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("engine loop failed", exc_info=t.exception())
+                self.status, self.error = "failed", f"engine loop failed: {t.exception()}"
+        self.engine_task = asyncio.ensure_future(self.engine.run_async())
+        self.engine_task.add_done_callback(done)
 
     def load(self) -> None:
         try:
@@ -161,7 +172,9 @@ class State:
             _warmup(sm)
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
             self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics,
-                                 own_thread=cfg.engine_thread)
+                                 own_thread=cfg.engine_thread and not cfg.engine_on_event_loop)
+            if cfg.engine_on_event_loop:
+                self.loop.call_soon_threadsafe(self._start_engine_task)
             if self.status == "loading":
                 self.status = "ready"
             log.info("model %s ready: max_batch=%d max_seq_len=%d kv_cache=%.1f MiB quantized=%s", self.name,
@@ -208,6 +221,7 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         if load_in_background:
             threading.Thread(target=state.load, name="serve-load", daemon=True).start()
         else:

@@ -9,6 +9,7 @@ decodes of the others). Sequences join at the next step and leave as soon as the
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -25,6 +26,16 @@ from serve.sampling import SamplerState, SamplingParams, top_logprobs
 log = logging.getLogger("serve.engine")
 
 _ids = itertools.count()
+
+
+async def _let_io_run(loop: asyncio.AbstractEventLoop, rounds: int = 64) -> None:
+    """Yield to the event loop until nothing is ready to run (each round also polls the sockets). A single
+    yield would not do: a token's write, or a new request's parse/tokenize/submit, takes several rounds."""
+    ready = getattr(loop, "_ready", None)  # asyncio's run queue (CPython's default loop)
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+        if ready is not None and not ready:
+            return
 
 
 class QueueFull(Exception):
@@ -101,8 +112,11 @@ class Engine:
         self.steps = 0
         self.step_hook: Callable[[list[Segment]], None] | None = None  # tests: observe / fault-inject
         self._done = threading.Event()
-        self._started = False  # run() entered (stop() waits for the loop only then)
-        # own_thread=False: the caller runs the loop with run() on its own thread. `serve` does that on the
+        self._started = False  # run() / run_async() entered (stop() waits for the loop only then)
+        self._aloop: asyncio.AbstractEventLoop | None = None  # set while run_async() runs
+        self._wake: asyncio.Event | None = None
+        # own_thread=False: the caller runs the loop, with run() on its own thread or run_async() on its event
+        # loop. `serve` does that on the
         # process's main thread: the same engine ran 1.3-1.6x faster there than on a second thread (A/B in one
         # script, 2 cores: concurrency 1 57-71 vs 35-41 tok/s, 16: 342-366 vs 237-288; on a second thread every
         # op, elementwise ones included, was 1.2-1.5x slower, with or without the main thread's OpenMP pool)
@@ -122,23 +136,28 @@ class Engine:
                 raise QueueFull()
             self.waiting.extend(seqs)
             self._update_gauges()
-            self.lock.notify()
+            self._notify()
 
     def abort(self, seq: Sequence) -> None:
         if seq.finished:
             return
         with self.lock:
             seq.cancelled = True
-            self.lock.notify()
+            self._notify()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self.lock:
             self._stop = True
-            self.lock.notify()
+            self._notify()
         if self.thread is not None:
             self.thread.join(timeout)
         elif self._started:
             self._done.wait(timeout)
+
+    def _notify(self) -> None:  # under self.lock: wake the loop, threaded or on an event loop
+        self.lock.notify()
+        if self._aloop is not None:
+            self._aloop.call_soon_threadsafe(self._wake.set)
 
     @property
     def alive(self) -> bool:
@@ -189,46 +208,82 @@ class Engine:
         except Exception:  # noqa: BLE001 - a broken consumer must not kill the engine
             log.exception("sink failed")
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self.lock:
-                while not self._stop and not self.waiting and not self.running:
-                    self.lock.wait(timeout=0.5)
-                if self._stop:
-                    break
-                # cancellations (running and waiting) free their slots before this step
-                for s in [s for s in self.running if s.cancelled]:
+    def _next_batch(self, wait: bool) -> list[Sequence] | None:
+        """Finish cancelled sequences, admit waiting ones into free slots (FIFO) and return the step's batch:
+        [] when there is nothing to run, None once stopped. ``wait``: block while idle (the threaded loop)."""
+        with self.lock:
+            while wait and not self._stop and not self.waiting and not self.running:
+                self.lock.wait(timeout=0.5)
+            if self._stop:
+                return None
+            # cancellations (running and waiting) free their slots before this step
+            for s in [s for s in self.running if s.cancelled]:
+                self._finish(s, "abort")
+            if any(s.cancelled for s in self.waiting):
+                for s in [s for s in self.waiting if s.cancelled]:
+                    self.waiting.remove(s)
                     self._finish(s, "abort")
-                if any(s.cancelled for s in self.waiting):
-                    for s in [s for s in self.waiting if s.cancelled]:
-                        self.waiting.remove(s)
-                        self._finish(s, "abort")
-                now = time.monotonic()
-                while self.waiting and self.free_slots:
-                    s = self.waiting.popleft()
-                    s.slot = self.free_slots.pop(0)
-                    s.scheduled = now
-                    self.running.append(s)
-                    if self.metrics is not None:
-                        self.metrics.queue_time.observe(now - s.arrival)
+            now = time.monotonic()
+            while self.waiting and self.free_slots:
+                s = self.waiting.popleft()
+                s.slot = self.free_slots.pop(0)
+                s.scheduled = now
+                self.running.append(s)
+                if self.metrics is not None:
+                    self.metrics.queue_time.observe(now - s.arrival)
+            self._update_gauges()
+            return list(self.running)
+
+    def _run_step(self, batch: list[Sequence]) -> None:
+        try:
+            self._step(batch)
+        except Exception as e:  # noqa: BLE001 - fail the step's sequences, keep serving
+            log.exception("engine step failed")
+            with self.lock:
+                for s in batch:
+                    self._finish(s, "error", error=f"{type(e).__name__}: {e}")
                 self._update_gauges()
-                batch = list(self.running)
-            if not batch:
-                continue
-            try:
-                self._step(batch)
-            except Exception as e:  # noqa: BLE001 - fail the step's sequences, keep serving
-                log.exception("engine step failed")
-                with self.lock:
-                    for s in batch:
-                        self._finish(s, "error", error=f"{type(e).__name__}: {e}")
-                    self._update_gauges()
+
+    def _shutdown(self) -> None:
         with self.lock:
             for s in list(self.running) + list(self.waiting):
                 self._finish(s, "abort", error="server shutting down")
             self.waiting.clear()
             self._update_gauges()
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while (batch := self._next_batch(wait=True)) is not None:
+            if batch:
+                self._run_step(batch)
+        self._shutdown()
+
+    async def run_async(self) -> None:
+        """The scheduler loop as a task on the HTTP server's event loop, in its thread: each step runs to the
+        end, then the loop does the I/O the step made ready (token writes, newly arrived requests) before
+        the next one. Why: with HTTP on a second thread, its Python ran *during* the steps and took a core
+        from the 2 OpenMP threads of every matmul (a 16-request burst of 64-token prompts: prefill steps of
+        100 ms offline took 125-130 ms under the server). Returns after stop()."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._aloop = loop
+        self._started = True
+        try:
+            while True:
+                self._wake.clear()
+                batch = self._next_batch(wait=False)
+                if batch is None:
+                    break
+                if not batch:
+                    await self._wake.wait()
+                    continue
+                with torch.inference_mode():
+                    self._run_step(batch)
+                await _let_io_run(loop)
+            self._shutdown()
+        finally:
+            self._aloop = None
+            self._done.set()
 
     def _step(self, batch: list[Sequence]) -> None:
         segs: list[Segment] = []

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from serve.engine import Engine, Event, Sequence
+from serve.engine import Engine, EngineStopped, Event, Sequence
 from serve.model import Segment, SlotModel
 from serve.sampling import SamplerState, SamplingParams
 
@@ -242,3 +242,43 @@ def test_step_failure_fails_sequences_and_engine_keeps_serving(loaded):
         assert c2.done.wait(10) and c2.events[-1].finish_reason == "length"
     finally:
         eng.stop()
+
+
+def test_engine_on_an_event_loop_serves_between_io_and_stops(loaded):
+    """run_async: the loop steps as a task on the caller's event loop; other tasks run between steps."""
+    import asyncio
+
+    tok = loaded.tokenizer
+    sm = SlotModel(loaded.model, 2, 256)
+    eng = Engine(sm, loaded.tokenizer, loaded.eos_ids, prefill_chunk=8, own_thread=False)
+    ticks: list[int] = []
+
+    async def main():
+        task = asyncio.ensure_future(eng.run_async())
+        await asyncio.sleep(0.05)  # idle: the task waits for work instead of spinning
+        assert not task.done() and eng.steps == 0
+
+        async def ticker():  # an I/O stand-in: must get turns while the engine works
+            while True:
+                ticks.append(eng.steps)
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        seqs = [_seq(loaded, tok(p)["input_ids"], max_tokens=8, ignore_eos=True) for p in ("ROMEO. But soft", "O")
+                + ("To be, or not to be",)]  # 3 requests, 2 slots
+        eng.submit([s for s, _ in seqs])
+        while not all(c.done.is_set() for _, c in seqs):
+            await asyncio.sleep(0.01)
+        t.cancel()
+        await asyncio.to_thread(eng.stop)  # as the server's lifespan does
+        await asyncio.wait_for(task, 10)
+        return seqs
+
+    seqs = asyncio.run(main())
+    for s, c in seqs:
+        assert c.events[-1].finish_reason == "length"
+        assert s.out_ids == hf_greedy(loaded, s.prompt_ids, 8)
+    assert len(set(ticks)) > 3  # the ticker ran between many different steps
+    assert not eng.alive and eng.num_running() == 0
+    with pytest.raises(EngineStopped):
+        eng.submit([_seq(loaded, [1, 2, 3])[0]])
