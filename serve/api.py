@@ -45,8 +45,7 @@ class ServeConfig:
     placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
     dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
-    engine_thread: bool = True  # False: the caller runs engine.run() on a thread of its own
-    engine_on_event_loop: bool = False  # True: the engine runs as a task on the server's event loop (serve CLI)
+    engine_on_event_loop: bool = False  # True: a task on the server's event loop (serve CLI); else its own thread
 
 
 class APIError(Exception):
@@ -172,7 +171,7 @@ class State:
             _warmup(sm)
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
             self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics,
-                                 own_thread=cfg.engine_thread and not cfg.engine_on_event_loop)
+                                 own_thread=not cfg.engine_on_event_loop)
             if cfg.engine_on_event_loop:
                 self.loop.call_soon_threadsafe(self._start_engine_task)
             if self.status == "loading":

@@ -178,15 +178,10 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
     if mode == "auto" and not _faster(largest.out_features, largest.in_features, torch.get_num_threads()):
         return 0
     maps = _file_maps() if sys.platform.startswith("linux") else []
-    by_parent: dict[int, dict[str, nn.Linear]] = {}
+    by_parent: dict[int, tuple[nn.Module, dict[str, nn.Linear]]] = {}
     for parent, name, child in todo:
-        by_parent.setdefault(id(parent), {})[name] = child
-    done: set[int] = set()
-    for parent, _, _ in todo:
-        if id(parent) in done:
-            continue
-        done.add(id(parent))
-        children = by_parent[id(parent)]
+        by_parent.setdefault(id(parent), (parent, {}))[1][name] = child
+    for parent, children in by_parent.values():
         for group in FUSE_GROUPS:
             mods = [children.get(n) for n in group]
             if any(m is None for m in mods) or len({(m.in_features, m.bias is None) for m in mods}) != 1:

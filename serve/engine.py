@@ -115,11 +115,11 @@ class Engine:
         self._started = False  # run() / run_async() entered (stop() waits for the loop only then)
         self._aloop: asyncio.AbstractEventLoop | None = None  # set while run_async() runs
         self._wake: asyncio.Event | None = None
-        # own_thread=False: the caller runs the loop, with run() on its own thread or run_async() on its event
-        # loop. `serve` does that on the
-        # process's main thread: the same engine ran 1.3-1.6x faster there than on a second thread (A/B in one
-        # script, 2 cores: concurrency 1 57-71 vs 35-41 tok/s, 16: 342-366 vs 237-288; on a second thread every
-        # op, elementwise ones included, was 1.2-1.5x slower, with or without the main thread's OpenMP pool)
+        # own_thread=False: the caller runs the loop, with run() on a thread or run_async() on its event loop.
+        # `serve` does the latter on the process's main thread: the same engine ran 1.3-1.6x faster there than
+        # on a second thread (A/B in one script, 2 cores: concurrency 1 57-71 vs 35-41 tok/s, 16: 342-366 vs
+        # 237-288; on a second thread every op, elementwise ones included, was 1.2-1.5x slower, with or without
+        # the main thread's OpenMP pool)
         self.thread: threading.Thread | None = None
         if own_thread:
             self.thread = threading.Thread(target=self.run, name="serve-engine", daemon=True)
@@ -263,7 +263,8 @@ class Engine:
         end, then the loop does the I/O the step made ready (token writes, newly arrived requests) before
         the next one. Why: with HTTP on a second thread, its Python ran *during* the steps and took a core
         from the 2 OpenMP threads of every matmul (a 16-request burst of 64-token prompts: prefill steps of
-        100 ms offline took 125-130 ms under the server). Returns after stop()."""
+        ~100 ms offline took 125-130 ms under the server, measured minutes apart on a noisy host; the HTTP
+        probe's concurrency 1 / 16 went 79.7 / 461 -> 86.9 / 510 tok/s with this). Returns after stop()."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._aloop = loop
