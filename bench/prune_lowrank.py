@@ -184,7 +184,8 @@ def write_report(rows: list[dict], a, results: Path, work: Path) -> None:
         checks.append(f"- 50%-pruned fp16 file <= 0.6x dense fp16: {x:.3f}x -> {'MET' if x <= 0.6 else 'MISSED'} "
                       f"(the pruned decoder-layer Linear tensors take {lin_sparse / lin_dense:.3f}x of their dense "
                       f"fp16 bytes, but the tensors left dense, mostly the tied embedding / lm_head, are "
-                      f"{1 - lin_dense / all_dense:.1%} of the dense file)")
+                      f"{1 - lin_dense / all_dense:.1%} of the dense file; `bench/sparse_size.py` measures the "
+                      f"same layout on a model with a typical LLM's share of dense tensors)")
     md = [
         f"# Pruning and low-rank factorization: {Path(a.model).name}",
         "",

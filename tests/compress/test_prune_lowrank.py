@@ -67,14 +67,10 @@ def test_exact_sparsity_and_pattern(pruned, method: str, pattern: str) -> None:
 
 
 @pytest.mark.parametrize("nm", [None, (2, 4)])
-def test_wanda_metric_per_row_on_sequentially_pruned_inputs(tiny: Path, nm) -> None:
+def test_wanda_metric_per_row_from_one_pass_of_the_unpruned_layer(tiny: Path, nm) -> None:
     """Wanda's mask is exactly: score |W_ij| * ||X_j||_2 over every calibration token, the lowest half removed
     per output row (unstructured) or the 2 lowest of each group of 4 consecutive inputs of a row (2:4), with X
-    the Linear's input in the layer whose earlier Linears are already pruned (true-sequential).
-
-    Running the final pruned layer once gives every Linear exactly those inputs (each Linear's input depends
-    only on the Linears before it), so the reference needs no copy of the pipeline's bookkeeping.
-    """
+    the Linear's input in the layer before any of its Linears is pruned (as the authors' code does)."""
     from compress import wanda
     from compress.layerjob import LayerJob
     from compress.pipeline import capture_inputs
@@ -85,7 +81,6 @@ def test_wanda_metric_per_row_on_sequentially_pruned_inputs(tiny: Path, nm) -> N
     lin = {n: layer.get_submodule(n) for n in LINEARS}
     orig = {n: m.weight.detach().clone() for n, m in lin.items()}
     job = LayerJob(layer, "model.layers.0.", lin, {}, model.config, inputs, {"sparsity": 0.5, "nm": nm})
-    out = wanda.wanda_layer(job)
     sq: dict[str, torch.Tensor] = {}
 
     def hook(name: str):
@@ -99,6 +94,7 @@ def test_wanda_metric_per_row_on_sequentially_pruned_inputs(tiny: Path, nm) -> N
             layer(*args, **kwargs)
     for h in handles:
         h.remove()
+    out = wanda.wanda_layer(job)
     for n in LINEARS:
         score = orig[n].abs() * sq[n].sqrt().float()
         rows, cols = score.shape
