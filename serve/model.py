@@ -91,7 +91,6 @@ class SlotModel:
         self.hf = hf_model.eval()
         self.inner = hf_model.model
         self.layers = list(self.inner.layers)
-        self.lm_head = hf_model.lm_head
         self.rotary = self.inner.rotary_emb
         self.num_heads = cfg.num_attention_heads
         self.num_kv = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -122,6 +121,7 @@ class SlotModel:
 
         # fp32 CPU Linears on oneDNN's reordered weights (serve.dense; replaces modules of the HF model)
         self.dense_packed = pack_linears(hf_model, dense_kernel)
+        self.lm_head = hf_model.lm_head  # after packing, which may replace it
 
         self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
         self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj]) if all(

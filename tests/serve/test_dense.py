@@ -52,6 +52,7 @@ def test_packed_model_serves_the_same_tokens(tied: bool) -> None:
     # 7 Linears per layer; an untied lm_head too; a tied one stays (the embedding needs the plain layout)
     assert sm.dense_packed == 2 * 7 + (0 if tied else 1)
     assert type(model.lm_head) is (nn.Linear if tied else OneDNNLinear)
+    assert sm.lm_head is model.lm_head  # SlotModel calls the packed lm_head, not the replaced Linear
     layer = model.model.layers[0]
     assert type(layer.mlp.down_proj) is OneDNNLinear and type(layer.self_attn.o_proj) is OneDNNLinear
     # q/k/v and gate/up share one packed weight each, and SlotModel calls it once
