@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -342,6 +344,7 @@ def main() -> int:
         return 0
     levels = [int(x) for x in args.levels.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    atexit.register(shutil.rmtree, work, True)  # the random model and its 4-bit copy (~170 MiB)
     if args.model:
         model_dir = Path(args.model)
         from safetensors import safe_open
