@@ -49,8 +49,7 @@ def fuse(mods: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None
     from serve.dense import FusedSlice
 
     if all(type(m) is FusedSlice for m in mods) and len({id(m.fused) for m in mods}) == 1 \
-            and [(m.start, m.stop) for m in mods] == list(zip([0] + [m.stop for m in mods[:-1]],
-                                                              [m.stop for m in mods], strict=True)) \
+            and [m.start for m in mods] == [0] + [m.stop for m in mods[:-1]] \
             and mods[-1].stop == mods[0].fused.out_features:
         return mods[0].fused  # serve.dense packed them as one weight already
     if not all(_resident(m) for m in mods):
