@@ -129,6 +129,25 @@ class SlotModel:
             for ly in self.layers]
 
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        rope_type = str(getattr(self.rotary, "rope_type", "default"))
+        # static RoPE variants: cos/sin depend on the position only, so they are computed once per position
+        self._rope_static = "dynamic" not in rope_type and rope_type != "longrope" and \
+            max_seq_len * self.head_dim <= 2 ** 22
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, head_dim]`` from the model's own rotary module: looked up in a table of every
+        position when the RoPE type is static (a gather instead of the module's ~8 ops per step)."""
+        if not self._rope_static:
+            cos, sin = self.rotary(h, positions[None].to(h.device))
+            return cos[0][:, None, :], sin[0][:, None, :]
+        t = self._rope_table
+        if t is None or t[0].dtype != h.dtype or t[0].device != h.device:
+            every = torch.arange(self.max_seq_len, device=h.device)[None]
+            cos, sin = self.rotary(h, every)
+            t = self._rope_table = (cos[0][:, None, :].contiguous(), sin[0][:, None, :].contiguous())
+        ix = positions.to(h.device)
+        return t[0][ix], t[1][ix]
 
     def _param_dtype(self) -> torch.dtype:
         emb = self.inner.embed_tokens
@@ -163,71 +182,85 @@ class SlotModel:
     def _forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         T = int(input_ids.shape[0])
         assert T == sum(s.length for s in segments)
-        positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments])
-        slots = torch.cat([torch.full((s.length,), s.slot, dtype=torch.long) for s in segments])
-        if int(positions.max()) >= self.max_seq_len:
+        # the step's index tensors, each built from a Python list in one call: a tensor op per segment
+        # (arange/full, then cat) cost more than the decode step's other bookkeeping together
+        pos_list: list[int] = []
+        slot_list: list[int] = []
+        for s in segments:
+            pos_list.extend(range(s.start, s.start + s.length))
+            slot_list.extend([s.slot] * s.length)
+        if max(pos_list) >= self.max_seq_len:
             raise ValueError("position beyond max_seq_len")
+        positions = torch.tensor(pos_list)
+        slots = torch.tensor(slot_list)
 
         h = self.inner.embed_tokens(input_ids[None].to(self.embed_device))  # [1, T, hidden]
-        cos, sin = self.rotary(h, positions[None].to(h.device))
-        cos = cos[0][:, None, :]  # [T, 1, D]
-        sin = sin[0][:, None, :]
+        cos, sin = self._rope(h, positions)
 
         # Decodes (length-1 segments) are attended as one padded batch; prefill chunks one by one.
-        dec_idx = [i for i, s in enumerate(segments) if s.length == 1]
         offsets, o = [], 0
         for s in segments:
             offsets.append(o)
             o += s.length
+        dec_idx = [i for i, s in enumerate(segments) if s.length == 1]
+        dec_slot_list = [segments[i].slot for i in dec_idx]
+        dec_len_list = [segments[i].start + 1 for i in dec_idx]
         dec_tok = torch.tensor([offsets[i] for i in dec_idx], dtype=torch.long)
-        dec_slots = torch.tensor([segments[i].slot for i in dec_idx], dtype=torch.long)
-        dec_len = torch.tensor([segments[i].start + 1 for i in dec_idx], dtype=torch.long)
-        dec_max = int(dec_len.max()) if dec_idx else 0
+        dec_slots = torch.tensor(dec_slot_list, dtype=torch.long)
+        dec_max = max(dec_len_list) if dec_idx else 0
         dec_mask = None  # no mask needed when every decode attends to the same number of positions
-        if dec_idx and int(dec_len.min()) != dec_max:
+        if dec_idx and min(dec_len_list) != dec_max:
+            dec_len = torch.tensor(dec_len_list, dtype=torch.long)
             dec_mask = (torch.arange(dec_max)[None, :] < dec_len[:, None])[:, None, None, :]
         all_dec = len(dec_idx) == len(segments)  # pure decode step: token order == decode order
-        contiguous = bool(dec_idx) and dec_slots.tolist() == list(
-            range(int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)))
+        contiguous = bool(dec_idx) and dec_slot_list == list(range(dec_slot_list[0], dec_slot_list[0] + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
         index = {"positions": positions, "slots": slots, "cos": cos, "sin": sin, "dec_tok": dec_tok,
                  "dec_slots": dec_slots, "dec_mask": dec_mask}
         on_device: dict[torch.device, dict] = {}  # the step's index tensors, copied once per device
 
         H, KV, D = self.num_heads, self.num_kv, self.head_dim
+        prefetch = self.prefetch.enabled
         for li, layer in enumerate(self.layers):
             dev = self.layer_devices[li]
             if dev not in on_device:
                 on_device[dev] = {k: (v.to(dev) if v is not None else None) for k, v in index.items()}
             ix = on_device[dev]
-            h = h.to(dev)
-            self.prefetch.begin(li)
+            if h.device != dev:
+                h = h.to(dev)
+            if prefetch:
+                self.prefetch.begin(li)
             attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
+            qk_norm = hasattr(attn, "q_norm")  # qwen3
             if self.qkv[li] is not None:
                 qkv = self.qkv[li](x)[0]  # [T, (H + 2 KV) D]
-                q = qkv[:, :H * D].view(T, H, D)
-                k = qkv[:, H * D:(H + KV) * D].view(T, KV, D)
                 v = qkv[:, (H + KV) * D:].view(T, KV, D)
+                if qk_norm:
+                    q = attn.q_norm(qkv[:, :H * D].view(T, H, D))
+                    k = attn.k_norm(qkv[:, H * D:(H + KV) * D].view(T, KV, D))
+                    qk = torch.cat((q, k), dim=1)
+                else:  # query and key heads are adjacent columns: RoPE them as one view, no copy
+                    qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
             else:
                 q = attn.q_proj(x).view(T, H, D)
                 k = attn.k_proj(x).view(T, KV, D)
                 v = attn.v_proj(x).view(T, KV, D)
-            if hasattr(attn, "q_norm"):  # qwen3
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
-            qk = torch.cat((q, k), dim=1)  # RoPE once over query and key heads
+                if qk_norm:
+                    q = attn.q_norm(q)
+                    k = attn.k_norm(k)
+                qk = torch.cat((q, k), dim=1)  # RoPE once over query and key heads
             qk = qk * ix["cos"] + _rotate_half(qk) * ix["sin"]
             q, k = qk[:, :H], qk[:, H:]
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[ix["slots"], :, ix["positions"]] = k.to(kc.dtype)
-            vc[ix["slots"], :, ix["positions"]] = v.to(vc.dtype)
+            kc[ix["slots"], :, ix["positions"]] = k if k.dtype == kc.dtype else k.to(kc.dtype)
+            vc[ix["slots"], :, ix["positions"]] = v if v.dtype == vc.dtype else v.to(vc.dtype)
 
             out = None if all_dec else torch.empty(T, H, D, dtype=q.dtype, device=dev)
             if dec_idx:
                 qd = (q if all_dec else q[ix["dec_tok"]])[:, :, None, :]  # [n, H, 1, D]
                 if contiguous:
-                    a, b = int(dec_slots[0]), int(dec_slots[0]) + len(dec_idx)
+                    a, b = dec_slot_list[0], dec_slot_list[0] + len(dec_idx)
                     kd, vd = kc[a:b, :, :dec_max], vc[a:b, :, :dec_max]
                 else:
                     kd, vd = kc[ix["dec_slots"], :, :dec_max], vc[ix["dec_slots"], :, :dec_max]
@@ -259,7 +292,8 @@ class SlotModel:
                 h = h + layer.mlp.down_proj(layer.mlp.act_fn(gu[..., :n]) * gu[..., n:])
             else:
                 h = h + layer.mlp(x)
-            self.prefetch.end(li)
+            if prefetch:
+                self.prefetch.end(li)
 
         want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
         if not want:
