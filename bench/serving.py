@@ -291,7 +291,7 @@ def write_report(data: dict) -> None:
     rounds = [(s["name"], s["rounds_tok_s"]) for s in data["servers"] if s.get("rounds_tok_s")]
     if rounds:
         lines += ["", "Single-stream rows from interleaved rounds (the fp32 baseline and each quantized server in "
-                  "turn, each round); the table shows each server's median round. tok/s of every round: " +
+                  "turn, each round); the table shows each server's median round. tok/s of every round, in order: " +
                   "; ".join(f"{n}: " + ", ".join(f"{x:.1f}" for x in v) for n, v in rounds) + "."]
     lines += ["", "## Targets", "", "| target | measured | result |", "|---|---|---|"]
     for t in data["targets"]:
@@ -350,6 +350,8 @@ def main() -> int:
     ap.add_argument("--render-only", action="store_true",
                     help="re-render serving.md/png from bench/results/serving.json (no measurement)")
     args = ap.parse_args()
+    if args.quant_rounds < 1:
+        ap.error("--quant-rounds must be at least 1")
     if args.render_only:
         write_report(json.loads((RESULTS / "serving.json").read_text()))
         return 0
@@ -440,9 +442,10 @@ def main() -> int:
             rs = [x for x in rs if x["levels"]]
             if not rs:
                 continue
+            in_order = [x["levels"][0]["tok_s"] for x in rs]
             rs.sort(key=lambda x: x["levels"][0]["tok_s"])
             med = dict(rs[(len(rs) - 1) // 2])  # the median round (the lower middle one of an even count)
-            med["rounds_tok_s"] = [x["levels"][0]["tok_s"] for x in rs]
+            med["rounds_tok_s"] = in_order
             results.append(med)
         print("== prefill memory", flush=True)
         try:
