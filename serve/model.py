@@ -233,23 +233,22 @@ class SlotModel:
             attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
             qk_norm = hasattr(attn, "q_norm")  # qwen3
-            if self.qkv[li] is not None:
+            fused = self.qkv[li] is not None
+            if fused:
                 qkv = self.qkv[li](x)[0]  # [T, (H + 2 KV) D]
+                q = qkv[:, :H * D].view(T, H, D)
+                k = qkv[:, H * D:(H + KV) * D].view(T, KV, D)
                 v = qkv[:, (H + KV) * D:].view(T, KV, D)
-                if qk_norm:
-                    q = attn.q_norm(qkv[:, :H * D].view(T, H, D))
-                    k = attn.k_norm(qkv[:, H * D:(H + KV) * D].view(T, KV, D))
-                    qk = torch.cat((q, k), dim=1)
-                else:  # query and key heads are adjacent columns: RoPE them as one view, no copy
-                    qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)
             else:
                 q = attn.q_proj(x).view(T, H, D)
                 k = attn.k_proj(x).view(T, KV, D)
                 v = attn.v_proj(x).view(T, KV, D)
-                if qk_norm:
-                    q = attn.q_norm(q)
-                    k = attn.k_norm(k)
-                qk = torch.cat((q, k), dim=1)  # RoPE once over query and key heads
+            if qk_norm:
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            # RoPE once over query and key heads: in the fused output they are adjacent columns (one view, no
+            # copy), otherwise concatenated
+            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D) if fused and not qk_norm else torch.cat((q, k), dim=1)
             qk = qk * ix["cos"] + _rotate_half(qk) * ix["sin"]
             q, k = qk[:, :H], qk[:, H:]
             kc, vc = self.k_cache[li], self.v_cache[li]
