@@ -108,7 +108,8 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
 def _slot_decode_speed(model: nn.Module, ids: torch.Tensor, new_tokens: int, clock: Callable[[], float]) -> float:
     from serve.model import Segment, SlotModel  # serve builds on compress; imported only when asked for
 
-    sm = SlotModel(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2, dense_kernel="auto")
+    sm = SlotModel(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2, dense_kernel="auto",
+                   cpu_kernels="auto")
     nxt = sm.forward(ids, [Segment(0, 0, len(ids))]).argmax(-1)
     pos, times = len(ids), []
     for i in range(new_tokens + 2):

@@ -45,6 +45,7 @@ class ServeConfig:
     placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
     dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
+    cpu_kernels: str = "auto"  # fused fp32 CPU norm/RoPE/decode-attention kernels (serve.kernels): auto | on | off
     engine_on_event_loop: bool = False  # True: a task on the server's event loop (serve CLI); else its own thread
 
 
@@ -150,7 +151,8 @@ class State:
             if msl > maxpos:
                 raise UserError(f"--max-seq-len {msl} exceeds the model's max_position_embeddings {maxpos}")
             sm = SlotModel(loaded.model, cfg.max_batch, msl,
-                           prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel)
+                           prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
+                           cpu_kernels=cfg.cpu_kernels)
             if loaded.tp > 1:
                 from serve.tp import Driver
 

@@ -66,6 +66,10 @@ def _placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-kernel", choices=["auto", "on", "off"], default="auto",
                    help="fp32 CPU Linears through oneDNN on weights reordered once at load (serve/dense.py): auto "
                         "times both kernels on the model's largest Linear at load and uses oneDNN where faster")
+    p.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
+                   help="fused fp32 CPU kernels for RMSNorm, RoPE + KV cache write and decode attention "
+                        "(serve/kernels.py), compiled once per machine with the system C++ compiler (~40 s, then "
+                        "cached): auto falls back to torch ops if the build fails, on makes that an error")
     p.add_argument("--offload-prefetch", action="store_true",
                    help="load the next offloaded layer on a background thread while the current one runs (off by "
                         "default: on CPU it measured no faster than accelerate's own hooks, bench/placement.py)")
@@ -174,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                       quantize=args.quantize, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                       prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp,
-                      dense_kernel=args.dense_kernel, engine_on_event_loop=True)
+                      dense_kernel=args.dense_kernel, cpu_kernels=args.cpu_kernels,
+                      engine_on_event_loop=True)
     app = create_app(cfg)
     state = app.state.serve
     failure: list[BaseException] = []
@@ -231,7 +236,8 @@ def _tp_worker(args: argparse.Namespace) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
     msl = args.max_seq_len or min(loaded.max_positions, 2048)  # as rank 0's State.load
-    tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl, dense_kernel=args.dense_kernel))
+    tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl, dense_kernel=args.dense_kernel,
+                             cpu_kernels=args.cpu_kernels))
     return 0
 
 

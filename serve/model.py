@@ -59,14 +59,17 @@ def _exec_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's Llama-family RMSNorm as torch's single fused op (exactly equal in fp32, half the CPU time of its
-    six-op form at decode sizes); anything else (other dtypes, hooked or other norm types) runs the module."""
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, ops=None) -> torch.Tensor:
+    """HF's Llama-family RMSNorm as one fused op: ours (serve.kernels) on CPU, else torch's (exactly equal in
+    fp32, half the CPU time of its six-op form at decode sizes); anything else (other dtypes, hooked or other
+    norm types) runs the module."""
     w = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None or w is None or x.dtype != torch.float32 or w.dtype != torch.float32 or \
             getattr(norm, "_hf_hook", None) is not None or not type(norm).__name__.endswith("RMSNorm"):
         return norm(x)
+    if ops is not None and x.device.type == "cpu" and w.device.type == "cpu":
+        return ops.rms_norm(x, w, eps)
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
@@ -79,7 +82,8 @@ class SlotModel:
     """Wraps an HF ``*ForCausalLM`` (Llama family) with a static slot KV cache."""
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
-                 cache_dtype: torch.dtype | None = None, prefetch: bool = False, dense_kernel: str = "off"):
+                 cache_dtype: torch.dtype | None = None, prefetch: bool = False, dense_kernel: str = "off",
+                 cpu_kernels: str = "off"):
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:
@@ -115,6 +119,7 @@ class SlotModel:
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
+        from serve import kernels
         from serve.dense import pack_linears
         from serve.fuse import fuse
         from serve.offload import LayerPrefetcher
@@ -129,6 +134,8 @@ class SlotModel:
             for ly in self.layers]
 
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
+        # fused fp32 CPU kernels for the norms, RoPE + KV write and decode attention (serve.kernels), or None
+        self.ops = kernels.load(cpu_kernels)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         rope_type = str(getattr(self.rotary, "rope_type", "default"))
         # static RoPE variants: cos/sin depend on the position only, so they are computed once per position
@@ -208,15 +215,15 @@ class SlotModel:
         dec_tok = torch.tensor([offsets[i] for i in dec_idx], dtype=torch.long)
         dec_slots = torch.tensor(dec_slot_list, dtype=torch.long)
         dec_max = max(dec_len_list) if dec_idx else 0
+        dec_len = torch.tensor(dec_len_list, dtype=torch.long)
         dec_mask = None  # no mask needed when every decode attends to the same number of positions
         if dec_idx and min(dec_len_list) != dec_max:
-            dec_len = torch.tensor(dec_len_list, dtype=torch.long)
             dec_mask = (torch.arange(dec_max)[None, :] < dec_len[:, None])[:, None, None, :]
         all_dec = len(dec_idx) == len(segments)  # pure decode step: token order == decode order
         contiguous = bool(dec_idx) and dec_slot_list == list(range(dec_slot_list[0], dec_slot_list[0] + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
         index = {"positions": positions, "slots": slots, "cos": cos, "sin": sin, "dec_tok": dec_tok,
-                 "dec_slots": dec_slots, "dec_mask": dec_mask}
+                 "dec_slots": dec_slots, "dec_len": dec_len, "dec_mask": dec_mask}
         on_device: dict[torch.device, dict] = {}  # the step's index tensors, copied once per device
 
         H, KV, D = self.num_heads, self.num_kv, self.head_dim
@@ -231,7 +238,9 @@ class SlotModel:
             if prefetch:
                 self.prefetch.begin(li)
             attn = layer.self_attn
-            x = _rms_norm(layer.input_layernorm, h)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            ops = self.ops if dev.type == "cpu" and kc.dtype == h.dtype == torch.float32 else None
+            x = _rms_norm(layer.input_layernorm, h, ops)
             qk_norm = hasattr(attn, "q_norm")  # qwen3
             fused = self.qkv[li] is not None
             if fused:
@@ -246,17 +255,29 @@ class SlotModel:
             if qk_norm:
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
-            # RoPE once over query and key heads: in the fused output they are adjacent columns (one view, no
-            # copy), otherwise concatenated
-            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D) if fused and not qk_norm else torch.cat((q, k), dim=1)
-            qk = qk * ix["cos"] + _rotate_half(qk) * ix["sin"]
-            q, k = qk[:, :H], qk[:, H:]
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[ix["slots"], :, ix["positions"]] = k if k.dtype == kc.dtype else k.to(kc.dtype)
-            vc[ix["slots"], :, ix["positions"]] = v if v.dtype == vc.dtype else v.to(vc.dtype)
+            if ops is not None:
+                # one kernel: RoPE in place on the q and k heads of [T, H + 2 KV, D], then k and v into the cache
+                heads = qkv.view(T, H + 2 * KV, D) if fused and not qk_norm else torch.cat((q, k, v), dim=1)
+                ops.rope_store(heads, ix["cos"], ix["sin"], H + KV, H, H + KV, kc, vc, ix["slots"], ix["positions"])
+                q = heads[:, :H]
+            else:
+                # RoPE once over query and key heads: in the fused output they are adjacent columns (one view,
+                # no copy), otherwise concatenated
+                qk = qkv[:, :(H + KV) * D].view(T, H + KV, D) if fused and not qk_norm else torch.cat((q, k), dim=1)
+                qk = qk * ix["cos"] + _rotate_half(qk) * ix["sin"]
+                q, k = qk[:, :H], qk[:, H:]
+                kc[ix["slots"], :, ix["positions"]] = k if k.dtype == kc.dtype else k.to(kc.dtype)
+                vc[ix["slots"], :, ix["positions"]] = v if v.dtype == vc.dtype else v.to(vc.dtype)
 
             out = None if all_dec else torch.empty(T, H, D, dtype=q.dtype, device=dev)
-            if dec_idx:
+            if dec_idx and ops is not None:
+                od = ops.decode_attention(q if all_dec else q[ix["dec_tok"]], kc, vc, ix["dec_slots"], ix["dec_len"],
+                                          self.scale)
+                if all_dec:
+                    out = od
+                else:
+                    out[ix["dec_tok"]] = od
+            elif dec_idx:
                 qd = (q if all_dec else q[ix["dec_tok"]])[:, :, None, :]  # [n, H, 1, D]
                 if contiguous:
                     a, b = dec_slot_list[0], dec_slot_list[0] + len(dec_idx)
@@ -284,7 +305,7 @@ class SlotModel:
                                                         enable_gqa=KV != H)
                 out[a:a + n] = op[0].transpose(0, 1)
             h = h + attn.o_proj(out.reshape(1, T, H * D))
-            x = _rms_norm(layer.post_attention_layernorm, h)
+            x = _rms_norm(layer.post_attention_layernorm, h, ops)
             if self.gate_up[li] is not None:
                 gu = self.gate_up[li](x)
                 n = gu.shape[-1] // 2
@@ -297,7 +318,7 @@ class SlotModel:
         want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
         if not want:
             return torch.empty(0, self.vocab_size)
-        hl = _rms_norm(self.inner.norm, h[0, want])
+        hl = _rms_norm(self.inner.norm, h[0, want], self.ops if h.device.type == "cpu" else None)
         return self.lm_head(hl).float().cpu()
 
     def clear_slot(self, slot: int) -> None:

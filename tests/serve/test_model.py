@@ -27,13 +27,16 @@ def _model(kind: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["default", "llama3", "dynamic", "qwen3"])
 @pytest.mark.parametrize("dense", ["off", "on"])
-def test_prefill_and_decode_match_hf(kind, dense):
+@pytest.mark.parametrize("kernels", ["off", "on"])
+def test_prefill_and_decode_match_hf(kind, dense, kernels):
     model = _model(kind)
     a, b = torch.randint(3, 300, (40,)), torch.randint(3, 300, (25,))
     with torch.no_grad():
         ref_a = model(a[None]).logits[0]
         ref_b = model(b[None]).logits[0]
-    sm = SlotModel(model, 2, 64, dense_kernel=dense)  # packing replaces the modules: reference first
+    # packing replaces the modules: reference first
+    sm = SlotModel(model, 2, 64, dense_kernel=dense, cpu_kernels=kernels)
+    assert (sm.ops is not None) == (kernels == "on")
     assert sm._rope_static == (kind != "dynamic")
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
     out = sm.forward(torch.cat([a[:38], b[:10]]), [Segment(0, 0, 38), Segment(1, 0, 10)])

@@ -1,0 +1,92 @@
+"""serve.kernels: the fused CPU kernels against the torch ops they replace, their input checks, the fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serve import kernels
+from training.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernels.load("on")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def test_rms_norm_matches_torch(ops):
+    torch.manual_seed(0)
+    for shape in [(1, 512), (3, 7, 64), (33, 100)]:
+        x, w = torch.randn(shape) * 3, torch.randn(shape[-1])
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[-1],), w, 1e-6),
+                                   atol=1e-5, rtol=1e-5)
+    xt = torch.randn(64, 5).t()  # non-contiguous input
+    w = torch.randn(64)
+    torch.testing.assert_close(ops.rms_norm(xt, w, 1e-5), F.rms_norm(xt, (64,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_store_matches_torch(ops):
+    torch.manual_seed(1)
+    T, H, KV, D, B, S = 5, 4, 2, 16, 3, 20
+    heads = torch.randn(T, H + 2 * KV, D)
+    cos, sin = torch.randn(T, 1, D), torch.randn(T, 1, D)
+    slots, pos = torch.tensor([2, 0, 0, 1, 2]), torch.tensor([0, 3, 4, 19, 7])
+    kc, vc = torch.zeros(B, KV, S, D), torch.zeros(B, KV, S, D)
+    qk = heads[:, :H + KV]
+    want = qk * cos + _rotate_half(qk) * sin
+    v = heads[:, H + KV:].clone()
+    ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, pos)
+    torch.testing.assert_close(heads[:, :H + KV], want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kc[slots, :, pos], want[:, H:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(vc[slots, :, pos], v, atol=0, rtol=0)
+    assert kc.abs().sum(-1).count_nonzero() == T * KV  # nothing else written
+
+
+@pytest.mark.parametrize("H,KV", [(4, 4), (8, 4), (8, 2), (6, 1)])
+def test_decode_attention_matches_sdpa(ops, H, KV):
+    torch.manual_seed(2)
+    B, S, D = 4, 40, 32
+    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    q = torch.randn(3, H + 2, D)[:, :H]  # a strided view, as the fused qkv output gives it
+    slots, lens = torch.tensor([3, 0, 2]), torch.tensor([1, 40, 17])
+    out = ops.decode_attention(q, kc, vc, slots, lens, 0.3)
+    for i in range(3):
+        s, n = int(slots[i]), int(lens[i])
+        ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
+                                             scale=0.3, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_refuse_bad_input(ops):
+    kc = torch.zeros(2, 1, 8, 4)
+    q = torch.zeros(1, 1, 4)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.decode_attention(q, kc, kc, torch.tensor([2]), torch.tensor([1]), 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.decode_attention(q, kc, kc, torch.tensor([0]), torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-6)
+    heads = torch.zeros(1, 3, 4)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rope_store(heads, torch.ones(1, 4), torch.zeros(1, 4), 2, 1, 2, kc, kc, torch.tensor([0]),
+                       torch.tensor([8]))
+
+
+def test_modes_and_fallback(monkeypatch, caplog):
+    assert kernels.load("off") is None
+    with pytest.raises(UserError, match="--cpu-kernels"):
+        kernels.load("fast")
+    monkeypatch.setattr(kernels, "_build", lambda: RuntimeError("no compiler here\nmore"))
+    with caplog.at_level(logging.WARNING, logger="serve.kernels"):
+        assert kernels.load("auto") is None
+    assert "no compiler here" in caplog.text
+    with pytest.raises(UserError, match="building decode_ops.cpp failed"):
+        kernels.load("on")
