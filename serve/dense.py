@@ -15,6 +15,12 @@ call instead of three (two) was 1.8x (1.4x) faster at M = 1 and 1.4x (1.2x) at M
 M >= 4, which is why only int4 was fused before). The HF modules become ``FusedSlice`` views of the fused
 call, so the model's own forward still works; ``serve.fuse`` hands SlotModel the fused call itself.
 
+Where serve.kernels is built (``--cpu-kernels``), the Linears run on its panel kernel instead
+(``PanelLinear``, weight as [N/16, K, 16]): it streams each weight once per call whatever the row count. On
+the serving benchmark's 40 Linear shapes (10 layers, streamed from memory, 2 threads), median ms oneDNN vs
+panel: M = 1 8.2 vs 5.2, M = 4 6.1 vs 4.3, M = 8 7.1 vs 4.4, M = 16 9.0 vs 7.0, M = 64 22.9 vs 21.6,
+M = 256 86.5 vs 85.7 (both at ~176 GFLOPS, the 2 cores' fp32 peak).
+
 The reordered weight replaces the original (no second copy; where the original was read zero-copy from a
 safetensors mmap, its page-cache pages are given back too). Skipped: other dtypes, non-CPU, modules
 with offload hooks or tensor-parallel shards, subclasses (bitsandbytes, compress), and weights shared
@@ -58,16 +64,6 @@ class OneDNNLinear(nn.Module):
                              persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
-    @classmethod
-    def stacked(cls, linears: list[nn.Linear]) -> OneDNNLinear:
-        """One OneDNNLinear computing the concatenated outputs of ``linears`` (same input size, all or no bias)."""
-        cat = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
-                        bias=linears[0].bias is not None, device="meta")
-        cat.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
-        if cat.bias is not None:
-            cat.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
-        return cls(cat)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -75,11 +71,50 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PanelLinear(nn.Module):
+    """``y = x @ W^T + b`` on serve.kernels' panel layout (``ops.pack_panels``; a non-persistent buffer). An
+    output size that is not a multiple of 16 (a vocabulary) is padded with zero rows, sliced off each call."""
+
+    def __init__(self, linear: nn.Linear, ops) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.ops = ops
+        w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+        pad = -self.out_features % 16
+        if pad:
+            w = torch.cat([w, w.new_zeros(pad, self.in_features)])
+            b = None if b is None else torch.cat([b, b.new_zeros(pad)])
+        self.register_buffer("packed", ops.pack_panels(w), persistent=False)
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.linear_panels(x, self.packed, self.bias)
+        return y if y.shape[-1] == self.out_features else y[..., :self.out_features].contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _stack(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose outputs are the concatenated outputs of ``linears`` (same input size, all or no bias)."""
+    cat = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                    bias=linears[0].bias is not None, device="meta")
+    cat.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    if cat.bias is not None:
+        cat.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    return cat
+
+
+def _packed(linear: nn.Linear, ops) -> nn.Module:
+    """``linear`` on the panel kernel with serve.kernels' ``ops``, else on oneDNN."""
+    return PanelLinear(linear, ops) if ops is not None else OneDNNLinear(linear)
+
+
 class FusedSlice(nn.Module):
     """Columns ``[start, stop)`` of a fused OneDNNLinear's output: what one of the fused projections returns.
     SlotModel calls the fused module once (serve.fuse); this keeps the HF model's own forward working."""
 
-    def __init__(self, fused: OneDNNLinear, start: int, stop: int) -> None:
+    def __init__(self, fused: nn.Module, start: int, stop: int) -> None:
         super().__init__()
         self.fused, self.start, self.stop = fused, start, stop
         self.in_features, self.out_features = fused.in_features, stop - start
@@ -117,11 +152,12 @@ def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 @functools.cache
-def _faster(out_features: int, in_features: int, threads: int, rounds: int = 5) -> bool:
-    """Whether oneDNN beats F.linear on a weight of this shape at M = 1 and M = 16 (best of interleaved rounds).
-    Cached: every SlotModel over the same shapes and thread count (bench loops) gets the first answer."""
+def _faster(out_features: int, in_features: int, threads: int, ops=None, rounds: int = 5) -> bool:
+    """Whether the packed kernel (panel with ``ops``, else oneDNN) beats F.linear on a weight of this shape at
+    M = 1 and M = 16 (best of interleaved rounds). Cached: every SlotModel over the same shapes, thread count
+    and kernel (bench loops) gets the first answer."""
     linear = nn.Linear(in_features, out_features, bias=False)
-    packed = OneDNNLinear(linear)
+    packed = _packed(linear, ops)
     calls = max(1, min(8, 2**24 // linear.weight.numel()))  # a 7B model's MLP: 1 call a timing, ~0.5 s in all
     best = {"mkl": [float("inf")] * 2, "onednn": [float("inf")] * 2}
     xs = [torch.randn(m, linear.in_features) for m in (1, 16)]
@@ -165,17 +201,18 @@ def _drop_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
 
 
-def pack_linears(model: nn.Module, mode: str = "auto") -> int:
-    """Replace the model's eligible fp32 CPU Linears by OneDNNLinear; returns how many were replaced."""
+def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
+    """Replace the model's eligible fp32 CPU Linears by PanelLinear (with serve.kernels' ``ops``) or
+    OneDNNLinear; returns how many were replaced."""
     if mode not in MODES:
         raise ValueError(f"dense kernel mode must be one of {MODES}, not {mode!r}")
-    if mode == "off" or not available():
+    if mode == "off" or (ops is None and not available()):
         return 0
     todo = _candidates(model)
     if not todo:
         return 0
     largest = max((c for _, _, c in todo), key=lambda c: c.weight.numel())
-    if mode == "auto" and not _faster(largest.out_features, largest.in_features, torch.get_num_threads()):
+    if mode == "auto" and not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
         return 0
     maps = _file_maps() if sys.platform.startswith("linux") else []
     by_parent: dict[int, tuple[nn.Module, dict[str, nn.Linear]]] = {}
@@ -186,14 +223,14 @@ def pack_linears(model: nn.Module, mode: str = "auto") -> int:
             mods = [children.get(n) for n in group]
             if any(m is None for m in mods) or len({(m.in_features, m.bias is None) for m in mods}) != 1:
                 continue
-            fused = OneDNNLinear.stacked(mods)
+            fused = _packed(_stack(mods), ops)
             start = 0
             for n, m in zip(group, mods, strict=True):
                 setattr(parent, n, FusedSlice(fused, start, start + m.out_features))
                 start += m.out_features
                 del children[n]
         for name, child in children.items():
-            setattr(parent, name, OneDNNLinear(child))
+            setattr(parent, name, _packed(child, ops))
     for _, _, child in todo:  # nothing else reads these weights now (candidates share no storage)
         _drop_file_pages(child.weight.detach(), maps)
     return len(todo)

@@ -124,8 +124,11 @@ class SlotModel:
         from serve.fuse import fuse
         from serve.offload import LayerPrefetcher
 
-        # fp32 CPU Linears on oneDNN's reordered weights (serve.dense; replaces modules of the HF model)
-        self.dense_packed = pack_linears(hf_model, dense_kernel)
+        # fp32 CPU Linears on packed weights (serve.dense; replaces modules of the HF model)
+        # fused fp32 CPU kernels (serve.kernels): the Linears' panel kernel, norms, RoPE + KV write, decode
+        # attention; None where not built (torch ops then)
+        self.ops = kernels.load(cpu_kernels)
+        self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops)
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
 
         self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
@@ -134,8 +137,6 @@ class SlotModel:
             for ly in self.layers]
 
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
-        # fused fp32 CPU kernels for the norms, RoPE + KV write and decode attention (serve.kernels), or None
-        self.ops = kernels.load(cpu_kernels)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         rope_type = str(getattr(self.rotary, "rope_type", "default"))
         # static RoPE variants: cos/sin depend on the position only, so they are computed once per position

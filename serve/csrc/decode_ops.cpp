@@ -165,9 +165,110 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   return out;
 }
 
+// ---- fp32 Linear on a panel layout: W [N, K] is stored as [N / 16][K][16] (16 outputs innermost) ----
+// For every k, one 16-wide load of W feeds an FMA into each row's accumulator, so W is streamed exactly once
+// per call whatever the row count (rows are taken 8 at a time per group of panels while those panels sit in
+// L1/L2), and no packing of x is needed.
+typedef float v16 __attribute__((vector_size(64), aligned(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  check_f32_cpu(w, "weight");
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "weight must be [N, K] with N a multiple of 16");
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
+}
+
+template <int MR, int NP>
+inline void panel_kernel(const float* x, int64_t K, const float* P, float* y, int64_t ldy, const float* bias) {
+  v16 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16 w[NP];
+    for (int j = 0; j < NP; ++j) {
+      const float* pk = P + (j * K + k) * 16;
+      w[j] = *reinterpret_cast<const v16*>(pk);
+      __builtin_prefetch(pk + 256);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * K + k];
+      for (int j = 0; j < NP; ++j) acc[m][j] += xv * w[j];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NP; ++j) {
+      v16 r = acc[m][j];
+      if (bias) r += *reinterpret_cast<const v16u*>(bias + j * 16);
+      *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = r;
+    }
+}
+
+template <int NP>
+void panel_rows(const float* x, int64_t M, int64_t K, const float* P, float* y, int64_t N, int64_t p,
+                const float* bias) {
+  const float* pp = P + p * K * 16;
+  const float* bp = bias ? bias + p * 16 : nullptr;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const float* xr = x + m0 * K;
+    float* yr = y + m0 * N + p * 16;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: panel_kernel<1, NP>(xr, K, pp, yr, N, bp); break;
+      case 2: panel_kernel<2, NP>(xr, K, pp, yr, N, bp); break;
+      case 3: panel_kernel<3, NP>(xr, K, pp, yr, N, bp); break;
+      case 4: panel_kernel<4, NP>(xr, K, pp, yr, N, bp); break;
+      case 5: panel_kernel<5, NP>(xr, K, pp, yr, N, bp); break;
+      case 6: panel_kernel<6, NP>(xr, K, pp, yr, N, bp); break;
+      case 7: panel_kernel<7, NP>(xr, K, pp, yr, N, bp); break;
+      default: panel_kernel<8, NP>(xr, K, pp, yr, N, bp); break;
+    }
+  }
+}
+
+// y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels.
+at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias) {
+  check_f32_cpu(x_in, "x");
+  check_f32_cpu(P, "packed weight");
+  TORCH_CHECK(P.dim() == 3 && P.size(2) == 16 && P.is_contiguous(), "packed weight must come from pack_panels");
+  const int64_t K = P.size(1), NPAN = P.size(0), N = NPAN * 16;
+  TORCH_CHECK(x_in.size(-1) == K, "x's last size ", x_in.size(-1), " != the weight's ", K);
+  auto x = x_in.contiguous();
+  const int64_t M = x.numel() / K;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    check_f32_cpu(b, "bias");
+    TORCH_CHECK(b.numel() == N, "bias must have one entry per output");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = P.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
+  // 32 vector registers at 8 rows
+  const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
+  at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
+    int64_t p = p0;
+    for (; p + np <= p1; p += np) {
+      if (np == 4) panel_rows<4>(xp, M, K, pp, yp, N, p, bp);
+      else if (np == 3) panel_rows<3>(xp, M, K, pp, yp, N, p, bp);
+      else panel_rows<2>(xp, M, K, pp, yp, N, p, bp);
+    }
+    for (; p < p1; ++p) panel_rows<1>(xp, M, K, pp, yp, N, p, bp);
+  });
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_panels", &pack_panels, "an fp32 Linear weight [N, K] in linear_panels' layout [N / 16, K, 16]");
+  m.def("linear_panels", &linear_panels, "x @ W^T (+ bias) on a pack_panels weight (fp32)", py::arg("x"),
+        py::arg("packed"), py::arg("bias") = py::none());
   m.def("rms_norm", &rms_norm, "fused RMSNorm over the last dim (fp32)");
   m.def("rope_store", &rope_store, "in-place RoPE on q/k heads, then k/v into the slot caches (fp32)");
   m.def("decode_attention", &decode_attention, "one-token-per-sequence attention over the slot caches (fp32)");

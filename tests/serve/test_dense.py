@@ -1,4 +1,5 @@
-"""serve.dense: fp32 CPU Linears on oneDNN's reordered weights give the same outputs and the same greedy tokens."""
+"""serve.dense: fp32 CPU Linears on oneDNN's reordered weights or serve.kernels' panel layout give the same outputs
+and the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serve.dense import FusedSlice, OneDNNLinear, available, pack_linears
+from serve import kernels
+from serve.dense import FusedSlice, OneDNNLinear, PanelLinear, available, pack_linears
 from serve.model import Segment, SlotModel
 
 pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
@@ -25,6 +27,7 @@ def test_onednn_linear_equals_f_linear(bias: bool) -> None:
     ref = lin(x)
     with torch.no_grad():
         torch.testing.assert_close(OneDNNLinear(lin)(x), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(PanelLinear(lin, kernels.load("on"))(x), ref, atol=1e-5, rtol=1e-5)
 
 
 def _model(tied: bool) -> LlamaForCausalLM:
@@ -45,16 +48,19 @@ def _greedy(sm: SlotModel, n: int = 12) -> list[int]:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_model_serves_the_same_tokens(tied: bool) -> None:
+@pytest.mark.parametrize("panel", [False, True])
+def test_packed_model_serves_the_same_tokens(tied: bool, panel: bool) -> None:
     ref_model, model = _model(tied), _model(tied)
     ref = SlotModel(ref_model, 1, 32, dense_kernel="off")
-    sm = SlotModel(model, 1, 32, dense_kernel="on")
+    sm = SlotModel(model, 1, 32, dense_kernel="on", cpu_kernels="on" if panel else "off")
+    kind = PanelLinear if panel else OneDNNLinear
     # 7 Linears per layer; an untied lm_head too; a tied one stays (the embedding needs the plain layout)
     assert sm.dense_packed == 2 * 7 + (0 if tied else 1)
-    assert type(model.lm_head) is (nn.Linear if tied else OneDNNLinear)
+    assert type(model.lm_head) is (nn.Linear if tied else kind)
     assert sm.lm_head is model.lm_head  # SlotModel calls the packed lm_head, not the replaced Linear
     layer = model.model.layers[0]
-    assert type(layer.mlp.down_proj) is OneDNNLinear and type(layer.self_attn.o_proj) is OneDNNLinear
+    assert type(layer.mlp.down_proj) is kind and type(layer.self_attn.o_proj) is kind
+    assert type(sm.qkv[0]) is kind and type(sm.gate_up[0]) is kind
     # q/k/v and gate/up share one packed weight each, and SlotModel calls it once
     assert {type(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")} == {FusedSlice}
     assert layer.self_attn.q_proj.fused is layer.self_attn.v_proj.fused is sm.qkv[0]
@@ -83,7 +89,8 @@ def test_auto_packs_all_or_nothing_after_timing_both_kernels() -> None:
     assert kinds == ({OneDNNLinear, FusedSlice} if n else {nn.Linear})
 
 
-def test_fused_projections_with_bias_equal_the_separate_linears() -> None:
+@pytest.mark.parametrize("panel", [False, True])
+def test_fused_projections_with_bias_equal_the_separate_linears(panel: bool) -> None:
     torch.manual_seed(0)
     parent = nn.Module()
     parent.q_proj, parent.k_proj, parent.v_proj = nn.Linear(48, 32), nn.Linear(48, 16), nn.Linear(48, 16)
@@ -91,8 +98,10 @@ def test_fused_projections_with_bias_equal_the_separate_linears() -> None:
     x = torch.randn(3, 48)
     with torch.no_grad():
         ref = {n: getattr(parent, n)(x) for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
-        assert pack_linears(parent, "on") == 5
-        assert type(parent.v_proj) is FusedSlice and type(parent.up_proj) is OneDNNLinear
+        assert pack_linears(parent, "on", kernels.load("on") if panel else None) == 5
+        kind = PanelLinear if panel else OneDNNLinear
+        assert type(parent.v_proj) is FusedSlice and type(parent.up_proj) is kind  # 40 outputs: padded panels
+        assert type(parent.v_proj.fused) is kind
         for n, y in ref.items():
             torch.testing.assert_close(getattr(parent, n)(x), y, atol=1e-5, rtol=1e-5)
 

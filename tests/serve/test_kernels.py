@@ -90,3 +90,19 @@ def test_modes_and_fallback(monkeypatch, caplog):
     assert "no compiler here" in caplog.text
     with pytest.raises(UserError, match="building decode_ops.cpp failed"):
         kernels.load("on")
+
+
+@pytest.mark.parametrize("n,k", [(16, 8), (48, 100), (1536, 512)])
+def test_linear_panels_matches_f_linear(ops, n, k):
+    torch.manual_seed(3)
+    w, b = torch.randn(n, k), torch.randn(n)
+    packed = ops.pack_panels(w)
+    assert packed.shape == (n // 16, k, 16)
+    for rows in (0, 1, 2, 3, 5, 8, 9, 16, 17, 64):  # every row-tile size and the panel-group tails
+        x = torch.randn(2, rows, k)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b), F.linear(x, w, b), atol=2e-5 * k, rtol=1e-4)
+        torch.testing.assert_close(ops.linear_panels(x, packed), F.linear(x, w), atol=2e-5 * k, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="last size"):
+        ops.linear_panels(torch.randn(1, k + 1), packed)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.pack_panels(torch.randn(20, k))
