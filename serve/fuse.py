@@ -43,8 +43,45 @@ def _pack_concatenates(rows: tuple[int, ...]) -> bool:
         return False
 
 
-def fuse(mods: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A function computing ``torch.cat([m(x) for m in mods], -1)`` with one kernel call, or None."""
+class Int4KernelLinear(nn.Module):
+    """A compress ``QuantLinear`` (int4_cpu backend) on serve.kernels' ``int4_linear``: same packed weight and
+    scales, fp32 activations in and out (no bf16 round trip); other input dtypes run the original module."""
+
+    def __init__(self, ql: nn.Module, ops, block: int) -> None:
+        super().__init__()
+        self.ql, self.ops, self.block = ql, ops, block
+        self.in_features, self.out_features = ql.in_features, ql.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.ql(x)
+        ql = self.ql
+        y = self.ops.int4_linear(x, ql.packed, ql.scale_zeros, ql.group_size, self.block)
+        return y if ql.bias is None else y + ql.bias.to(y.dtype)
+
+
+def int4_on_kernels(model: nn.Module, ops) -> int:
+    """Swap the model's resident int4_cpu QuantLinears (output size a multiple of the pack's row block) for
+    Int4KernelLinear; returns how many. After ``fuse``: the fused ones' packed weights are views by then."""
+    from compress.qlinear import QuantLinear
+    from serve.kernels import int4_block
+
+    block = int4_block() if ops is not None else None
+    if block is None:
+        return 0
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is QuantLinear and child.backend == "int4_cpu" and _resident(child) \
+                    and child.out_features % block == 0 and child.packed.is_contiguous():
+                setattr(parent, name, Int4KernelLinear(child, ops, block))
+                n += 1
+    return n
+
+
+def fuse(mods: list[nn.Module], ops=None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A function computing ``torch.cat([m(x) for m in mods], -1)`` with one kernel call, or None. With
+    serve.kernels' ``ops``, fused int4 projections run on its ``int4_linear`` (fp32 in and out)."""
     from compress.qlinear import QuantLinear
     from serve.dense import FusedSlice
 
@@ -67,6 +104,17 @@ def fuse(mods: list[nn.Module]) -> Callable[[torch.Tensor], torch.Tensor] | None
             m.packed = packed[off:off + m.out_features]
             off += m.out_features
         k, group, dtype = mods[0].in_features, mods[0].group_size, scale_zeros.dtype
+        from serve.kernels import int4_block
+
+        block = int4_block() if ops is not None else None
+        if block is not None and packed.shape[0] % block == 0:
+
+            def int4_kernel(x: torch.Tensor) -> torch.Tensor:
+                if x.dtype != torch.float32:
+                    return int4(x)
+                return ops.int4_linear(x, packed, scale_zeros, group, block)
+
+            return int4_kernel
 
         def int4(x: torch.Tensor) -> torch.Tensor:
             x2 = x.reshape(-1, k).to(dtype).contiguous()

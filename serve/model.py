@@ -121,20 +121,22 @@ class SlotModel:
             else self.head_dim ** -0.5
         from serve import kernels
         from serve.dense import pack_linears
-        from serve.fuse import fuse
+        from serve.fuse import fuse, int4_on_kernels
         from serve.offload import LayerPrefetcher
 
-        # fp32 CPU Linears on packed weights (serve.dense; replaces modules of the HF model)
-        # fused fp32 CPU kernels (serve.kernels): the Linears' panel kernel, norms, RoPE + KV write, decode
-        # attention; None where not built (torch ops then)
+        # fused CPU kernels (serve.kernels): fp32 and int4 Linears, norms, RoPE + KV write, decode attention;
+        # None where not built (torch ops then)
         self.ops = kernels.load(cpu_kernels)
+        # fp32 CPU Linears on packed weights (serve.dense; replaces modules of the HF model)
         self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops)
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
 
-        self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj]) for ly in self.layers]
-        self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj]) if all(
+        self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj], self.ops)
+                    for ly in self.layers]
+        self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj], self.ops) if all(
             hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
             for ly in self.layers]
+        self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (serve.fuse)
 
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None

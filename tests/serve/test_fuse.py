@@ -39,3 +39,40 @@ def test_pack_probe_accepts_whole_blocks() -> None:
     # parametrized test above checks the safety property on any CPU: fused output == separate calls
     assert _pack_concatenates((64, 64))
     assert _pack_concatenates((128, 64, 64))
+
+
+def _exact(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T in fp32 with W = (q - 8) * scale + zero rebuilt from the module's own codes and bf16 scales."""
+    from serve.kernels import int4_block
+
+    b = int4_block()
+    n, k, gs = m.out_features, m.in_features, m.group_size
+    by = m.packed.contiguous().view(torch.uint8).view(n // b, k, b // 2).to(torch.int32)
+    codes = torch.cat([by & 15, by >> 4], dim=-1).transpose(1, 2).reshape(n, k)  # undo the [n/b, k, b/2] pack
+    sz = m.scale_zeros.float()
+    w = (codes.float() - 8) * sz[..., 0].t().repeat_interleave(gs, 1) + sz[..., 1].t().repeat_interleave(gs, 1)
+    return x @ w.t()
+
+
+def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
+    from serve import kernels
+    from serve.fuse import Int4KernelLinear, int4_on_kernels
+
+    ops = kernels.load("on")
+    assert kernels.int4_block() in (32, 64)
+    mods = _linears([128, 64, 64])
+    xs = [torch.randn(r, 256, generator=torch.Generator().manual_seed(r)) for r in (1, 3, 4, 5, 16, 70)]
+    want = [[_exact(m, x) for m in mods] for x in xs]
+    f = fuse(mods, ops)
+    parent = torch.nn.Module()
+    parent.a, parent.b, parent.c = mods
+    parent.other = torch.nn.Linear(4, 4)
+    assert int4_on_kernels(parent, ops) == 3
+    assert type(parent.a) is Int4KernelLinear and type(parent.other) is torch.nn.Linear
+    for x, ws in zip(xs, want, strict=True):
+        torch.testing.assert_close(f(x), torch.cat(ws, -1), atol=1e-4, rtol=1e-4)
+        for name, w in zip("abc", ws, strict=True):
+            torch.testing.assert_close(getattr(parent, name)(x), w, atol=1e-4, rtol=1e-4)
+    # the bf16 path of compress's own module stays within bf16 rounding of it
+    torch.testing.assert_close(mods[0](xs[1]), want[1][0], atol=0.15, rtol=0.05)
+    assert int4_on_kernels(parent, None) == 0

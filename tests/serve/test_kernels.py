@@ -106,3 +106,15 @@ def test_linear_panels_matches_f_linear(ops, n, k):
         ops.linear_panels(torch.randn(1, k + 1), packed)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.pack_panels(torch.randn(20, k))
+
+
+def test_int4_linear_refuses_bad_shapes(ops):
+    packed = torch.zeros(64, 64, dtype=torch.uint8)
+    sz = torch.zeros(1, 64, 2, dtype=torch.bfloat16)
+    assert ops.int4_linear(torch.zeros(2, 128), packed, sz, 128, 64).shape == (2, 64)
+    with pytest.raises(RuntimeError, match="last size"):
+        ops.int4_linear(torch.zeros(2, 64), packed, sz, 128, 64)
+    with pytest.raises(RuntimeError, match="mismatch"):
+        ops.int4_linear(torch.zeros(2, 128), packed, sz, 64, 64)
+    with pytest.raises(RuntimeError, match="block"):
+        ops.int4_linear(torch.zeros(2, 128), packed, sz, 128, 16)
