@@ -297,24 +297,25 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// y[m, :B] (+)= x[m, :gs] @ tile [gs][B] for MR rows; the first group starts from zero
-template <int B, int MR>
+// y[m, c0:c0 + 16 VN] (+)= x[m, :gs] @ tile[:, c0:c0 + 16 VN] (tile [gs][B]) for MR rows, c0 = 16 V0; the
+// first group starts from zero
+template <int B, int MR, int V0, int VN>
 inline void int4_rows(const float* xg, int64_t K, const float* tile, int64_t gs, float* y, int64_t N, bool first) {
-  constexpr int V = B / 16;
-  v16 acc[MR][V];
+  v16 acc[MR][VN];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v] = first ? v16{} : *reinterpret_cast<const v16u*>(y + m * N + v * 16);
+    for (int v = 0; v < VN; ++v)
+      acc[m][v] = first ? v16{} : *reinterpret_cast<const v16u*>(y + m * N + (V0 + v) * 16);
   for (int64_t kk = 0; kk < gs; ++kk) {
-    const float* t = tile + kk * B;
-    v16 w[V];
-    for (int v = 0; v < V; ++v) w[v] = *reinterpret_cast<const v16*>(t + v * 16);
+    const float* t = tile + kk * B + V0 * 16;
+    v16 w[VN];
+    for (int v = 0; v < VN; ++v) w[v] = *reinterpret_cast<const v16*>(t + v * 16);
     for (int m = 0; m < MR; ++m) {
       const float xv = xg[m * K + kk];
-      for (int v = 0; v < V; ++v) acc[m][v] += xv * w[v];
+      for (int v = 0; v < VN; ++v) acc[m][v] += xv * w[v];
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) *reinterpret_cast<v16u*>(y + m * N + v * 16) = acc[m][v];
+    for (int v = 0; v < VN; ++v) *reinterpret_cast<v16u*>(y + m * N + (V0 + v) * 16) = acc[m][v];
 }
 
 // one group of MR <= 4 rows: y[m, :B] (+)= x[m, :gs] @ W[group], dequantizing each k's B weights in registers
@@ -375,12 +376,18 @@ void int4_block(const float* x, int64_t M, int64_t K, const uint8_t* pk, const u
         *reinterpret_cast<v16*>(t + B / 2 + h * 16) = hi * sc[V / 2 + h] + ze[V / 2 + h];
       }
     }
+    // 8 rows x 2 vectors (16 accumulators) per pass over half the tile's columns, then 4-row passes
+    constexpr int H = V / 2;
     int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) int4_rows<B, 4>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0);
+    for (; m0 + 8 <= M; m0 += 8) {
+      int4_rows<B, 8, 0, H>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0);
+      int4_rows<B, 8, H, H>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0);
+    }
+    for (; m0 + 4 <= M; m0 += 4) int4_rows<B, 4, 0, V>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0);
     switch (M - m0) {
-      case 1: int4_rows<B, 1>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0); break;
-      case 2: int4_rows<B, 2>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0); break;
-      case 3: int4_rows<B, 3>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0); break;
+      case 1: int4_rows<B, 1, 0, V>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0); break;
+      case 2: int4_rows<B, 2, 0, V>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0); break;
+      case 3: int4_rows<B, 3, 0, V>(x + m0 * K + g * gs, K, tile, gs, y + m0 * N + n0, N, g == 0); break;
       default: break;
     }
   }
