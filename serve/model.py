@@ -137,6 +137,8 @@ class SlotModel:
             hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
             for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (serve.fuse)
+        self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+                           for g, ly in zip(self.gate_up, self.layers, strict=True)]
 
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -309,7 +311,9 @@ class SlotModel:
                 out[a:a + n] = op[0].transpose(0, 1)
             h = h + attn.o_proj(out.reshape(1, T, H * D))
             x = _rms_norm(layer.post_attention_layernorm, h, ops)
-            if self.gate_up[li] is not None:
+            if self.silu_pairs[li]:
+                h = h + layer.mlp.down_proj(self.gate_up[li].silu_mul(x))  # activation in the GEMM (serve.dense)
+            elif self.gate_up[li] is not None:
                 gu = self.gate_up[li](x)
                 n = gu.shape[-1] // 2
                 h = h + layer.mlp.down_proj(layer.mlp.act_fn(gu[..., :n]) * gu[..., n:])

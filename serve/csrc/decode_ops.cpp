@@ -181,7 +181,30 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return w.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
 
-template <int MR, int NP>
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(64)));
+
+// exp(x) for 16 floats (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); GCC's std::exp stayed scalar
+inline v16 vexp(v16 x) {
+  x = x < 88.37f ? x : 88.37f;
+  x = x > -87.33f ? x : -87.33f;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
+  n = n > fx ? n - 1.f : n;  // floor
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &e, 64);
+  return p * two_n;
+}
+
+// SILU: the panels come in (gate, up) pairs of the same 16 outputs and y gets silu(gate) * up, 16 per pair
+template <int MR, int NP, bool SILU = false>
 inline void panel_kernel(const float* x, int64_t K, const float* P, float* y, int64_t ldy, const float* bias) {
   v16 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
@@ -199,36 +222,46 @@ inline void panel_kernel(const float* x, int64_t K, const float* P, float* y, in
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NP; ++j) {
-      v16 r = acc[m][j];
-      if (bias) r += *reinterpret_cast<const v16u*>(bias + j * 16);
-      *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = r;
+    for (int j = 0; j < NP; ++j)
+      if (bias) acc[m][j] += *reinterpret_cast<const v16u*>(bias + j * 16);
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (SILU) {
+      for (int j = 0; j + 1 < NP; j += 2) {
+        const v16 g = acc[m][j];
+        *reinterpret_cast<v16u*>(y + m * ldy + j * 8) = g / (1.f + vexp(-g)) * acc[m][j + 1];
+      }
+    } else {
+      for (int j = 0; j < NP; ++j) *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = acc[m][j];
     }
+  }
 }
 
-template <int NP>
-void panel_rows(const float* x, int64_t M, int64_t K, const float* P, float* y, int64_t N, int64_t p,
+// ldy: y's row stride (N, or N / 2 with SILU)
+template <int NP, bool SILU = false>
+void panel_rows(const float* x, int64_t M, int64_t K, const float* P, float* y, int64_t ldy, int64_t p,
                 const float* bias) {
   const float* pp = P + p * K * 16;
   const float* bp = bias ? bias + p * 16 : nullptr;
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const float* xr = x + m0 * K;
-    float* yr = y + m0 * N + p * 16;
+    float* yr = y + m0 * ldy + p * (SILU ? 8 : 16);
     switch (std::min<int64_t>(8, M - m0)) {
-      case 1: panel_kernel<1, NP>(xr, K, pp, yr, N, bp); break;
-      case 2: panel_kernel<2, NP>(xr, K, pp, yr, N, bp); break;
-      case 3: panel_kernel<3, NP>(xr, K, pp, yr, N, bp); break;
-      case 4: panel_kernel<4, NP>(xr, K, pp, yr, N, bp); break;
-      case 5: panel_kernel<5, NP>(xr, K, pp, yr, N, bp); break;
-      case 6: panel_kernel<6, NP>(xr, K, pp, yr, N, bp); break;
-      case 7: panel_kernel<7, NP>(xr, K, pp, yr, N, bp); break;
-      default: panel_kernel<8, NP>(xr, K, pp, yr, N, bp); break;
+      case 1: panel_kernel<1, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 2: panel_kernel<2, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 3: panel_kernel<3, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 4: panel_kernel<4, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 5: panel_kernel<5, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 6: panel_kernel<6, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 7: panel_kernel<7, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      default: panel_kernel<8, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
     }
   }
 }
 
-// y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels.
-at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias) {
+// y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with silu_mul, W's panels are (gate, up)
+// pairs and y = silu(gate) * up has half the columns (the MLP's activation fused into its gate/up projection).
+at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
+                         bool silu_mul) {
   check_f32_cpu(x_in, "x");
   check_f32_cpu(P, "packed weight");
   TORCH_CHECK(P.dim() == 3 && P.size(2) == 16 && P.is_contiguous(), "packed weight must come from pack_panels");
@@ -242,14 +275,24 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
     check_f32_cpu(b, "bias");
     TORCH_CHECK(b.numel() == N, "bias must have one entry per output");
   }
+  TORCH_CHECK(!silu_mul || NPAN % 2 == 0, "silu_mul needs (gate, up) panel pairs");
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
+  sizes.back() = silu_mul ? N / 2 : N;
   auto y = at::empty(sizes, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* pp = P.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  if (silu_mul) {  // whole pairs per thread and per kernel call
+    at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
+      int64_t q = q0;
+      if (M <= 2)
+        for (; q + 2 <= q1; q += 2) panel_rows<4, true>(xp, M, K, pp, yp, N / 2, 2 * q, bp);
+      for (; q < q1; ++q) panel_rows<2, true>(xp, M, K, pp, yp, N / 2, 2 * q, bp);
+    });
+    return y;
+  }
   // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
   // 32 vector registers at 8 rows
   const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
@@ -435,7 +478,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "an fp32 Linear weight [N, K] in linear_panels' layout [N / 16, K, 16]");
   m.def("linear_panels", &linear_panels, "x @ W^T (+ bias) on a pack_panels weight (fp32)", py::arg("x"),
-        py::arg("packed"), py::arg("bias") = py::none());
+        py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false);
   m.def("rms_norm", &rms_norm, "fused RMSNorm over the last dim (fp32)");
   m.def("rope_store", &rope_store, "in-place RoPE on q/k heads, then k/v into the slot caches (fp32)");
   m.def("int4_linear", &int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)");

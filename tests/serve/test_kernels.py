@@ -118,3 +118,23 @@ def test_int4_linear_refuses_bad_shapes(ops):
         ops.int4_linear(torch.zeros(2, 128), packed, sz, 64, 64)
     with pytest.raises(RuntimeError, match="block"):
         ops.int4_linear(torch.zeros(2, 128), packed, sz, 128, 16)
+
+
+def test_linear_panels_silu_mul_matches_torch(ops):
+    torch.manual_seed(4)
+    n, k = 48, 40
+    g, u, bg, bu = torch.randn(n, k) * 0.3, torch.randn(n, k) * 0.3, torch.randn(n), torch.randn(n)
+    pairs = torch.stack([g.view(-1, 16, k), u.view(-1, 16, k)], 1).reshape(2 * n, k)  # (gate, up) panel pairs
+    b = torch.stack([bg.view(-1, 16), bu.view(-1, 16)], 1).reshape(-1)
+    packed = ops.pack_panels(pairs)
+    for rows in (1, 2, 3, 8, 13):
+        x = torch.randn(rows, k) * 3
+        want = F.silu(F.linear(x, g, bg)) * F.linear(x, u, bu)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b, True), want, atol=1e-4, rtol=1e-4)
+    # the epilogue's exp over the whole float range: gate = x itself, up = 1
+    ident = torch.cat([torch.eye(16), torch.zeros(16, 16)])
+    x = torch.cat([torch.linspace(-120, 120, 3996), torch.tensor([0.0, -87.4, 88.4, 1e-30])]).view(-1, 16)
+    got = ops.linear_panels(x, ops.pack_panels(ident), torch.cat([torch.zeros(16), torch.ones(16)]), True)
+    torch.testing.assert_close(got, F.silu(x), atol=1e-6, rtol=2e-6)
+    with pytest.raises(RuntimeError, match="pairs"):
+        ops.linear_panels(torch.randn(1, 8), ops.pack_panels(torch.randn(16, 8)), None, True)
