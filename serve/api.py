@@ -178,8 +178,11 @@ class State:
 
 
 def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
+    packed, ops = getattr(sm, "dense_packed", 0), getattr(sm, "ops", None)
     info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device(),
-                  "onednn_linears": getattr(sm, "dense_packed", 0)}
+                  "cpu_kernels": ops is not None,  # serve.kernels built and in use
+                  "packed_linears": packed, "linear_kernel": ("panel" if ops is not None else "onednn") if packed
+                  else "torch", "int4_kernel_linears": getattr(sm, "int4_kernel", 0)}
     if loaded.plan is not None:
         info.update(loaded.plan.summary())
         info["offloaded_layers"] = len(sm.prefetch.offloaded)

@@ -114,6 +114,8 @@ def fuse(mods: list[nn.Module], ops=None) -> Callable[[torch.Tensor], torch.Tens
                     return int4(x)
                 return ops.int4_linear(x, packed, scale_zeros, group, block)
 
+            # what serve.fast_stack hands the C++ layer loop
+            int4_kernel.int4 = (packed, scale_zeros, group, block)  # type: ignore[attr-defined]
             return int4_kernel
 
         def int4(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Fused fp32 CPU kernels for SlotModel's per-layer glue (``serve/csrc/decode_ops.cpp``), built on first use.
+"""Fused CPU kernels for SlotModel (``serve/csrc``: per-layer glue, fp32 and 4-bit Linears), built on first use.
 
 Why our own: after the Linears, a decode step's time went to many small ATen ops, each a dispatch and a pass
 over memory. Per layer of the serving benchmark's 33.7M Llama at batch 16 (2 threads, medians of 100 calls):
@@ -19,8 +19,9 @@ Outputs equal the torch ops to fp32 rounding (max |diff| ~1e-6). A SiLU*up kerne
 
 Built with ``torch.utils.cpp_extension.load`` (the system C++ compiler and ninja, ``-O3 -march=native``:
 the machine that runs it compiles it) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``): ~40 s once per machine and source version, then a load. ``auto`` falls back
-to torch ops (with a warning) where the build fails, e.g. no compiler; ``on`` makes that an error.
+``~/.cache/torch_extensions``), under a name hashed from the sources, their folder and the torch version, so
+checkouts and versions never rebuild over each other's build: ~40 s once each, then a load. ``auto`` falls
+back to torch ops (with a warning) where the build fails, e.g. no compiler; ``on`` makes that an error.
 """
 
 from __future__ import annotations
@@ -33,18 +34,25 @@ from types import ModuleType
 from training.errors import UserError
 
 MODES = ("auto", "on", "off")
-SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "layer_ops.cpp", CSRC / "linear.cpp", CSRC / "stack.cpp")
 log = logging.getLogger("serve.kernels")
 
 
 @functools.cache
 def _build() -> ModuleType | Exception:
     """Build (or load the cached build) once per process; a failure is remembered, not retried per model."""
+    import hashlib
+
+    import torch
     from torch.utils.cpp_extension import load
 
     try:
-        return load("memfit_decode_ops", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        h = hashlib.sha256(f"{CSRC.resolve()}|{torch.__version__}".encode())
+        for f in sorted(CSRC.iterdir()):
+            h.update(f.name.encode() + f.read_bytes())
+        return load(f"memfit_ops_{h.hexdigest()[:12]}", [str(f) for f in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler, ninja or headers missing, or a failed build
         return e
 
@@ -82,7 +90,7 @@ def load(mode: str) -> ModuleType | None:
     if not isinstance(built, Exception):
         return built
     if mode == "on":
-        raise UserError(f"--cpu-kernels on: building {SOURCE.name} failed: {built}") from built
+        raise UserError(f"--cpu-kernels on: building serve/csrc failed: {built}") from built
     first = (str(built).strip().splitlines() or [type(built).__name__])[0]
     log.warning("serve: fused CPU kernels unavailable, using torch ops (%s)", first)
     return None

@@ -139,13 +139,15 @@ class SlotModel:
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (serve.fuse)
         self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
                            for g, ly in zip(self.gate_up, self.layers, strict=True)]
-
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         rope_type = str(getattr(self.rotary, "rope_type", "default"))
         # static RoPE variants: cos/sin depend on the position only, so they are computed once per position
         self._rope_static = "dynamic" not in rope_type and rope_type != "longrope" and \
             max_seq_len * self.head_dim <= 2 ** 22
+        from serve.fast_stack import build
+
+        self.stack = build(self)  # the layers as one C++ call where all of them allow it, else None
 
     def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim]`` from the model's own rotary module: looked up in a table of every
@@ -222,13 +224,30 @@ class SlotModel:
         dec_max = max(dec_len_list) if dec_idx else 0
         dec_len = torch.tensor(dec_len_list, dtype=torch.long)
         dec_mask = None  # no mask needed when every decode attends to the same number of positions
-        if dec_idx and min(dec_len_list) != dec_max:
+        if dec_idx and min(dec_len_list) != dec_max and self.stack is None:
             dec_mask = (torch.arange(dec_max)[None, :] < dec_len[:, None])[:, None, None, :]
         all_dec = len(dec_idx) == len(segments)  # pure decode step: token order == decode order
         contiguous = bool(dec_idx) and dec_slot_list == list(range(dec_slot_list[0], dec_slot_list[0] + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
         index = {"positions": positions, "slots": slots, "cos": cos, "sin": sin, "dec_tok": dec_tok,
                  "dec_slots": dec_slots, "dec_len": dec_len, "dec_mask": dec_mask}
+        if self.stack is not None:  # every layer on serve.kernels: the C++ loop (serve.fast_stack)
+            prefill = [x for i, s in pre for x in (offsets[i], s.length, s.slot, s.start)]
+            h = self.stack.forward(h[0], cos, sin, slots, positions, dec_tok, dec_slots, dec_len, all_dec,
+                                   prefill)[None]
+        else:
+            h = self._python_layers(h, index, offsets, pre, dec_idx, dec_slot_list, dec_max, all_dec, contiguous)
+
+        want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
+        if not want:
+            return torch.empty(0, self.vocab_size)
+        hl = _rms_norm(self.inner.norm, h[0, want], self.ops if h.device.type == "cpu" else None)
+        return self.lm_head(hl).float().cpu()
+
+    def _python_layers(self, h: torch.Tensor, index: dict, offsets: list[int], pre: list, dec_idx: list[int],
+                       dec_slot_list: list[int], dec_max: int, all_dec: bool, contiguous: bool) -> torch.Tensor:
+        """The decoder layers, one Python iteration each (any placement, dtype and module type)."""
+        T = int(h.shape[1])
         on_device: dict[torch.device, dict] = {}  # the step's index tensors, copied once per device
 
         H, KV, D = self.num_heads, self.num_kv, self.head_dim
@@ -321,12 +340,7 @@ class SlotModel:
                 h = h + layer.mlp(x)
             if prefetch:
                 self.prefetch.end(li)
-
-        want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
-        if not want:
-            return torch.empty(0, self.vocab_size)
-        hl = _rms_norm(self.inner.norm, h[0, want], self.ops if h.device.type == "cpu" else None)
-        return self.lm_head(hl).float().cpu()
+        return h
 
     def clear_slot(self, slot: int) -> None:
         """Nothing to do: a slot's stale entries are never read (masks stop at each sequence's length)."""

@@ -178,7 +178,11 @@ def test_health_503_while_loading(model_dir, loaded):
         assert "retry-after" in r.headers
         gate.set()
         assert s.state.ready_event.wait(30)
-        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        r = httpx.get(s.url + "/health", timeout=10)
+        assert r.status_code == 200
+        # serve's default --cpu-kernels auto: the kernels are built here (a compiler is part of the CI image)
+        placement = r.json()["placement"]
+        assert placement["cpu_kernels"] is True and placement["linear_kernel"] in ("panel", "torch")
     finally:
         gate.set()
         s.stop()

@@ -88,7 +88,7 @@ def test_modes_and_fallback(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="serve.kernels"):
         assert kernels.load("auto") is None
     assert "no compiler here" in caplog.text
-    with pytest.raises(UserError, match="building decode_ops.cpp failed"):
+    with pytest.raises(UserError, match="building serve/csrc failed"):
         kernels.load("on")
 
 

@@ -37,6 +37,8 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     # packing replaces the modules: reference first
     sm = SlotModel(model, 2, 64, dense_kernel=dense, cpu_kernels=kernels)
     assert (sm.ops is not None) == (kernels == "on")
+    # the C++ layer loop takes over where every layer is on the kernels (not qwen3's q/k norms, dynamic RoPE)
+    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and kind in ("default", "llama3"))
     assert sm._rope_static == (kind != "dynamic")
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
     out = sm.forward(torch.cat([a[:38], b[:10]]), [Segment(0, 0, 38), Segment(1, 0, 10)])

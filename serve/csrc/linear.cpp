@@ -1,178 +1,14 @@
-// Fused fp32 CPU kernels for SlotModel's per-layer glue (see serve/kernels.py for why and how it is built).
-// Each replaces several small ATen ops whose dispatch and memory passes dominate a decode step.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
+// fp32 and 4-bit Linears for small and large row counts (serve.dense.PanelLinear, serve.fuse).
 #include <immintrin.h>
-#include <vector>
 
-namespace {
+#include "common.h"
 
-void check_f32_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
-}
-
-// y = x / sqrt(mean(x^2) + eps) * w over the last dimension (as torch.nn.functional.rms_norm).
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
-  check_f32_cpu(x_in, "x");
-  check_f32_cpu(w, "w");
-  auto x = x_in.contiguous();
-  const int64_t n = x.size(-1);
-  TORCH_CHECK(w.numel() == n && w.is_contiguous(), "w must be contiguous with x's last size");
-  const int64_t rows = x.numel() / n;
-  auto y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * n;
-      float* yr = yp + r * n;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * wp[i];
-    }
-  });
-  return y;
-}
-
-// RoPE (HF's rotate_half form) in place on the first `rope_heads` heads of qkv [T, heads, D] (last dim
-// contiguous), then k = heads [k0, k0 + KV) and v = heads [v0, v0 + KV) are stored into the caches
-// [B, KV, S, D] at (slots[t], :, positions[t]).
-void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
-                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions) {
-  check_f32_cpu(qkv, "qkv");
-  check_f32_cpu(kc, "k_cache");
-  check_f32_cpu(vc, "v_cache");
-  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "qkv must be [T, heads, D] with a contiguous last dim");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4, "caches must be contiguous [B, KV, S, D]");
-  const int64_t T = qkv.size(0), D = qkv.size(2), KV = kc.size(1), S = kc.size(2), B = kc.size(0);
-  TORCH_CHECK(D % 2 == 0 && kc.size(3) == D, "head_dim mismatch");
-  auto c = cos.reshape({T, D}).contiguous();
-  auto s = sin.reshape({T, D}).contiguous();
-  check_f32_cpu(c, "cos");
-  auto sl = slots.to(at::kLong).contiguous();
-  auto ps = positions.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == T && ps.numel() == T, "slots/positions must have one entry per token");
-  const int64_t* slp = sl.data_ptr<int64_t>();
-  const int64_t* psp = ps.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slp[t] >= 0 && slp[t] < B && psp[t] >= 0 && psp[t] < S, "slot or position out of range");
-  float* base = qkv.data_ptr<float>();
-  const int64_t st = qkv.stride(0), sh = qkv.stride(1), half = D / 2;
-  const float* cp = c.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
-  float* kcp = kc.data_ptr<float>();
-  float* vcp = vc.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tmp(D);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* ct = cp + t * D;
-      const float* stt = sp + t * D;
-      for (int64_t h = 0; h < rope_heads; ++h) {
-        float* x = base + t * st + h * sh;
-        // as torch evaluates x * cos + rotate_half(x) * sin: two rounded products, then one add
-        for (int64_t i = 0; i < half; ++i) {
-          tmp[i] = x[i] * ct[i] + (-x[i + half]) * stt[i];
-          tmp[i + half] = x[i + half] * ct[i + half] + x[i] * stt[i + half];
-        }
-        std::copy(tmp.begin(), tmp.end(), x);
-      }
-      const int64_t off = ((slp[t] * KV) * S + psp[t]) * D;
-      for (int64_t g = 0; g < KV; ++g) {
-        std::copy_n(base + t * st + (k0 + g) * sh, D, kcp + off + g * S * D);
-        std::copy_n(base + t * st + (v0 + g) * sh, D, vcp + off + g * S * D);
-      }
-    }
-  });
-}
-
-// One query token per sequence: out[i, h] = softmax(q[i, h] . K[slot_i, h / G, :len_i] * scale) V[...].
-// q [n, H, D] (last dim contiguous), caches [B, KV, S, D]; G = H / KV query heads share a KV head, so each
-// key and value row is loaded once for the G of them.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale) {
-  check_f32_cpu(q, "q");
-  check_f32_cpu(kc, "k_cache");
-  check_f32_cpu(vc, "v_cache");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, H, D] with a contiguous last dim");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4, "caches must be contiguous [B, KV, S, D]");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
-  TORCH_CHECK(H % KV == 0 && kc.size(3) == D, "head shapes mismatch");
-  const int64_t G = H / KV;
-  auto sl = slots.to(at::kLong).contiguous();
-  auto ln = lens.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == n && ln.numel() == n, "slots/lens must have one entry per query");
-  const int64_t* slp = sl.data_ptr<int64_t>();
-  const int64_t* lnp = ln.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(slp[i] >= 0 && slp[i] < B && lnp[i] >= 1 && lnp[i] <= S, "slot or length out of range");
-  auto out = at::empty({n, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n * KV, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> p;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / KV, g = w % KV, L = lnp[i];
-      const float* K = kp + ((slp[i] * KV + g) * S) * D;
-      const float* V = vp + ((slp[i] * KV + g) * S) * D;
-      p.assign(G * L, 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        const float* kr = K + l * D;
-        for (int64_t j = 0; j < G; ++j) {
-          const float* qr = qp + i * sq0 + (g * G + j) * sq1;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
-          p[j * L + l] = acc * sc;
-        }
-      }
-      for (int64_t j = 0; j < G; ++j) {
-        float* pj = p.data() + j * L;
-        float m = pj[0];
-        for (int64_t l = 1; l < L; ++l) m = std::max(m, pj[l]);
-        float sum = 0.f;
-        for (int64_t l = 0; l < L; ++l) {
-          pj[l] = std::exp(pj[l] - m);
-          sum += pj[l];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t l = 0; l < L; ++l) pj[l] *= inv;
-      }
-      for (int64_t j = 0; j < G; ++j) {
-        float* o = op + (i * H + g * G + j) * D;
-        std::fill_n(o, D, 0.f);
-      }
-      for (int64_t l = 0; l < L; ++l) {
-        const float* vr = V + l * D;
-        for (int64_t j = 0; j < G; ++j) {
-          float* o = op + (i * H + g * G + j) * D;
-          const float pl = p[j * L + l];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += pl * vr[d];
-        }
-      }
-    }
-  });
-  return out;
-}
+namespace memfit {
 
 // ---- fp32 Linear on a panel layout: W [N, K] is stored as [N / 16][K][16] (16 outputs innermost) ----
 // For every k, one 16-wide load of W feeds an FMA into each row's accumulator, so W is streamed exactly once
 // per call whatever the row count (rows are taken 8 at a time per group of panels while those panels sit in
 // L1/L2), and no packing of x is needed.
-typedef float v16 __attribute__((vector_size(64), aligned(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 at::Tensor pack_panels(const at::Tensor& w) {
   check_f32_cpu(w, "weight");
@@ -180,8 +16,6 @@ at::Tensor pack_panels(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1);
   return w.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
-
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(64)));
 
 // exp(x) for 16 floats (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); GCC's std::exp stayed scalar
 inline v16 vexp(v16 x) {
@@ -473,14 +307,4 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   return y;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_panels", &pack_panels, "an fp32 Linear weight [N, K] in linear_panels' layout [N / 16, K, 16]");
-  m.def("linear_panels", &linear_panels, "x @ W^T (+ bias) on a pack_panels weight (fp32)", py::arg("x"),
-        py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false);
-  m.def("rms_norm", &rms_norm, "fused RMSNorm over the last dim (fp32)");
-  m.def("rope_store", &rope_store, "in-place RoPE on q/k heads, then k/v into the slot caches (fp32)");
-  m.def("int4_linear", &int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)");
-  m.def("decode_attention", &decode_attention, "one-token-per-sequence attention over the slot caches (fp32)");
-}
+}  // namespace memfit

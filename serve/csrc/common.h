@@ -1,0 +1,39 @@
+// Shared by serve/csrc/*.cpp: the fused CPU kernels of serve.kernels (see serve/kernels.py for why and how
+// they are built).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace memfit {
+
+// 16 floats (or int32) as one vector: one AVX-512 register, two AVX2 ones (GCC's generic vectors)
+typedef float v16 __attribute__((vector_size(64), aligned(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(64)));
+
+inline void check_f32_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
+}
+
+// layer_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
+void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
+                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
+                            const at::Tensor& lens, double scale);
+
+// linear.cpp
+at::Tensor pack_panels(const at::Tensor& w);
+at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
+                         bool silu_mul);
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                       int64_t group_size, int64_t block);
+
+}  // namespace memfit

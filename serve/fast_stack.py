@@ -1,0 +1,87 @@
+"""SlotModel's decoder layers as one C++ call (serve.kernels' ``LayerStack``, ``serve/csrc/stack.cpp``).
+
+Used when every layer is on the fast path already: CPU, fp32 activations and KV cache, no offload hooks or
+tensor-parallel shards, Llama-family RMSNorms, no q/k norms (qwen3 stays on the Python loop), static RoPE,
+fused q/k/v, and every projection on serve.kernels' panel (fp32) or int4 kernels. The Python loop in
+serve.model is the reference (tests compare the two) and runs everything else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serve.dense import PanelLinear
+from serve.fuse import Int4KernelLinear
+
+PANEL, PANEL_SILU_PAIRS, INT4, INT4_GATE_UP = 0, 1, 2, 3
+_NONE = torch.empty(0)
+
+
+def _spec(m, gate_up: bool) -> tuple | None:
+    """(kind, a, b, bias, group, block) of one projection, or None when the C++ loop cannot run it."""
+    if type(m) is PanelLinear:
+        if m.pairs != gate_up:
+            return None
+        return (PANEL_SILU_PAIRS if gate_up else PANEL, m.packed, _NONE if m.bias is None else m.bias.detach(),
+                _NONE, 0, 0)
+    if type(m) is Int4KernelLinear and not gate_up:
+        ql = m.ql
+        return (INT4, ql.packed, ql.scale_zeros, _NONE if ql.bias is None else ql.bias.detach().float(),
+                ql.group_size, m.block)
+    int4 = getattr(m, "int4", None)  # serve.fuse's fused int4 call (no bias)
+    if int4 is not None:
+        packed, sz, group, block = int4
+        return (INT4_GATE_UP if gate_up else INT4, packed, sz, _NONE, group, block)
+    return None
+
+
+def _norm(norm: nn.Module) -> torch.Tensor | None:
+    w = getattr(norm, "weight", None)
+    if w is None or getattr(norm, "variance_epsilon", None) is None or w.dtype != torch.float32 or \
+            w.device.type != "cpu" or getattr(norm, "_hf_hook", None) is not None or \
+            not type(norm).__name__.endswith("RMSNorm"):
+        return None
+    return w.detach()
+
+
+def build(sm) -> object | None:
+    """A LayerStack over ``sm``'s layers, or None where any layer needs the Python loop."""
+    ops = sm.ops
+    if ops is None or not hasattr(ops, "LayerStack") or not sm._rope_static or sm.prefetch.enabled:
+        return None
+    if sm.dtype != torch.float32 or any(d.type != "cpu" for d in sm.layer_devices) or \
+            any(k.dtype != torch.float32 for k in sm.k_cache):
+        return None
+    cols: dict[str, list] = {k: [] for k in ("norm_in", "norm_post", "kinds", "a", "b", "bias", "groups", "blocks")}
+    eps = None
+    for li, layer in enumerate(sm.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "q_norm") or not sm.silu_pairs[li] and getattr(sm.gate_up[li], "int4", None) is None:
+            return None
+        if getattr(sm.gate_up[li], "int4", None) is not None and \
+                type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            return None
+        norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
+        if any(n is None for n in norms):
+            return None
+        e = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon}
+        if len(e) != 1 or (eps is not None and e != {eps}):
+            return None
+        eps = e.pop()
+        specs = [_spec(sm.qkv[li], False), _spec(attn.o_proj, False), _spec(sm.gate_up[li], True),
+                 _spec(mlp.down_proj, False)]
+        if any(s is None for s in specs):
+            return None
+        cols["norm_in"].append(norms[0])
+        cols["norm_post"].append(norms[1])
+        for kind, a, b, bias, group, block in specs:
+            cols["kinds"].append(kind)
+            cols["a"].append(a)
+            cols["b"].append(b)
+            cols["bias"].append(bias)
+            cols["groups"].append(group)
+            cols["blocks"].append(block)
+    return ops.LayerStack(cols["norm_in"], cols["norm_post"], float(eps), cols["kinds"], cols["a"], cols["b"],
+                          cols["bias"], cols["groups"], cols["blocks"], sm.k_cache, sm.v_cache, sm.num_heads,
+                          sm.num_kv, sm.head_dim, float(sm.scale))
