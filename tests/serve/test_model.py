@@ -61,3 +61,33 @@ def test_rope_table_equals_the_rotary_module():
     torch.testing.assert_close(cos[:, 0], rc[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(sin[:, 0], rs[0], atol=1e-6, rtol=0)
     assert cos.shape == (5, 1, 16)
+
+
+def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
+    from compress.qlinear import QuantLinear
+    from compress.quant import QuantArgs
+    from compress.rtn import rtn
+
+    torch.manual_seed(0)
+    cfg = dict(_COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, rope_parameters=_ROPE["default"])).eval()
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, QuantLinear(rtn(child.weight.detach(), QuantArgs(4, 64, False)), None))
+    sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on")
+    assert sm.stack is not None and sm.int4_kernel == 2 * 7  # every projection (the fused ones for the HF path)
+    a, b = torch.randint(3, 300, (30,)), torch.randint(3, 300, (12,))
+    steps = [(torch.cat([a[:20], b[:5]]), [Segment(0, 0, 20), Segment(1, 0, 5)]),
+             (torch.cat([a[20:21], b[5:12]]), [Segment(0, 20, 1), Segment(1, 5, 7)]),
+             (torch.stack([b[11], a[20]]), [Segment(1, 12, 1), Segment(0, 21, 1)])]
+    stack, outs = sm.stack, {}
+    for kind in ("cpp", "python"):
+        sm.stack = stack if kind == "cpp" else None
+        outs[kind] = [sm.forward(ids, segs) for ids, segs in steps]
+    for c, p in zip(outs["cpp"], outs["python"], strict=True):
+        torch.testing.assert_close(c, p, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # and the HF forward over the same (swapped) int4 modules
+        ref = model(a[None, :22]).logits[0]
+    torch.testing.assert_close(outs["cpp"][0][0], ref[19], atol=1e-4, rtol=1e-4)
