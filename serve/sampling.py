@@ -43,6 +43,11 @@ class SamplerState:
             ids = torch.tensor([i for i in prompt_ids if 0 <= i < vocab_size], dtype=torch.long)
             self.seen[ids] = True
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalties: the step's batched ``greedy_tokens`` row is this sequence's token."""
+        return self.p.temperature < 1e-5 and self.seen is None and self.counts is None
+
     def observe(self, token: int) -> None:
         if self.counts is not None and token < self.vocab_size:
             self.counts[token] += 1
@@ -83,6 +88,13 @@ class SamplerState:
         if not torch.isfinite(probs).all() or float(probs.sum()) <= 0:
             return int(torch.argmax(x))
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """``SamplerState.sample`` of every row for plain-greedy sequences, in one argmax over the step's logits
+    [n, V] (per-row calls cost ~15 us each, 0.25 ms of a 16-sequence step)."""
+    x = torch.nan_to_num(logits, nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
+    return x.argmax(-1).tolist()
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

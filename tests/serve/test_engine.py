@@ -282,3 +282,19 @@ def test_engine_on_an_event_loop_serves_between_io_and_stops(loaded):
     assert not eng.alive and eng.num_running() == 0
     with pytest.raises(EngineStopped):
         eng.submit([_seq(loaded, [1, 2, 3])[0]])
+
+
+def test_batched_greedy_equals_each_rows_sample():
+    from serve.sampling import greedy_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :] = float("nan")
+    greedy = SamplerState(SamplingParams(max_tokens=4, temperature=0.0), [1, 2], 50)
+    assert greedy.plain_greedy
+    assert greedy_tokens(logits) == [greedy.sample(row) for row in logits]
+    assert not SamplerState(SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.2), [1], 50).plain_greedy
+    assert not SamplerState(SamplingParams(max_tokens=4, temperature=0.7), [1], 50).plain_greedy
