@@ -390,7 +390,8 @@ def main() -> int:
     if not args.no_variants:  # informational rows; the targets use the default configuration above
         for name, extra in (("memfit --dtype bf16 (not fp32: info only)", ["--dtype", "bf16"]),
                             ("memfit --threads 1", ["--threads", "1"]),
-                            ("memfit --dense-kernel off (MKL sgemm, the pre-oneDNN path)", ["--dense-kernel", "off"])):
+                            ("memfit --cpu-kernels off (torch ops and oneDNN: the path before serve.kernels)",
+                             ["--cpu-kernels", "off"])):
             servers.append(Server(name, mf + extra + ["--port", str(p := _free_port())], p, str(model_dir)))
     if not args.skip_peer:
         for threads in args.peer_threads.split(","):
