@@ -8,7 +8,9 @@ layer; attention reads a preallocated KV cache ``[layers, max_batch, kv_heads, m
 Only the *modules* of the HF model are called (``layer.self_attn.q_proj(x)``, ``layer.mlp(x)``,
 ``layer.input_layernorm(x)``), never their ``.weight``, so quantized Linear replacements from
 ``compress`` work unchanged. Rotary embeddings come from the model's own ``rotary_emb`` module, so
-every RoPE scaling variant that transformers implements is matched exactly.
+every RoPE scaling variant that transformers implements is matched exactly. Where every layer runs on
+memfit's CPU kernels (serve.kernels), the layers run as one C++ call over those kernels' packed weights
+(serve.fast_stack); the Python loop here is its reference and runs everything else.
 """
 
 from __future__ import annotations
