@@ -53,16 +53,47 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _is_int8(m: nn.Module) -> bool:
+    """A torch dynamic-quantized Linear (``serve --quantize int8``) with symmetric qint8 weights."""
+    if type(m).__module__ != "torch.ao.nn.quantized.dynamic.modules.linear" or type(m).__name__ != "Linear":
+        return False
+    w = m.weight()
+    if w.dtype != torch.qint8:
+        return False
+    if w.qscheme() == torch.per_tensor_affine:
+        return w.q_zero_point() == 0
+    return w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric) and w.q_per_channel_axis() == 0 \
+        and not w.q_per_channel_zero_points().any()
+
+
+Weights = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def _weights(m: nn.Module | Weights) -> Weights:
+    """(weight [N, K], bias, per-output scale): fp32 and no scale for an ``nn.Linear``; int8 codes and their
+    scales for a torch dynamic-quantized Linear (W = codes * scale)."""
+    if isinstance(m, tuple):
+        return m
+    if _is_int8(m):
+        w, b = m.weight(), m.bias()
+        if w.qscheme() == torch.per_tensor_affine:
+            scale = torch.full((w.shape[0],), float(w.q_scale()))
+        else:
+            scale = w.q_per_channel_scales().float()
+        return w.int_repr(), None if b is None else b.detach().float(), scale
+    return m.weight.detach(), None if m.bias is None else m.bias.detach(), None
+
+
 class OneDNNLinear(nn.Module):
     """``y = x @ W^T + b`` with W held in oneDNN's reordered layout (a non-persistent buffer)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear | Weights) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
+        w, b, _ = _weights(linear)
+        self.out_features, self.in_features = w.shape
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, REORDER_BATCH_HINT),
                              persistent=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -78,49 +109,57 @@ class PanelLinear(nn.Module):
     ``pairs``: a fused gate/up projection whose 16-row panels alternate gate and up rows of the same outputs,
     so ``silu_mul(x)`` gets the MLP's ``silu(gate) * up`` from the GEMM's epilogue (no [T, 2 n] intermediate,
     no separate silu and mul passes: 6.3 of a 256-token prefill step's 104 ms); ``forward`` still returns
-    ``[gate | up]``."""
+    ``[gate | up]``.
 
-    def __init__(self, linear: nn.Linear, ops, pairs: bool = False) -> None:
+    int8 weights (``serve --quantize int8``: torch's dynamic-quantized Linears) keep their codes and scales and
+    run with fp32 activations (weight-only int8: the weight streams at a quarter of fp32's bytes; torch's own
+    dynamic kernel also quantizes the activations and measured slower than this fp32 path)."""
+
+    def __init__(self, linear: nn.Module | Weights, ops, pairs: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w, b, scale = _weights(linear)
+        self.out_features, self.in_features = w.shape
         self.ops, self.pairs = ops, pairs
-        w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
         if pairs:  # [gate; up] rows -> 16 gate rows, the same 16 up rows, ...
             n = self.out_features // 2
-            w = w.view(2, n // 16, 16, -1).transpose(0, 1).reshape(2 * n, -1)
-            b = None if b is None else b.view(2, n // 16, 16).transpose(0, 1).reshape(-1)
+
+            def pairs_of(t):
+                return None if t is None else t.view(2, n // 16, 16, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+            w, b, scale = pairs_of(w), pairs_of(b), pairs_of(scale)
         pad = -self.out_features % 16
         if pad:
             w = torch.cat([w, w.new_zeros(pad, self.in_features)])
             b = None if b is None else torch.cat([b, b.new_zeros(pad)])
-        self.register_buffer("packed", ops.pack_panels(w), persistent=False)
-        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+            scale = None if scale is None else torch.cat([scale, scale.new_zeros(pad)])
+        self.register_buffer("packed", ops.pack_panels(w.contiguous()), persistent=False)
+        self.bias = None if b is None else nn.Parameter(b.contiguous(), requires_grad=False)
+        self.register_buffer("scale", None if scale is None else scale.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.linear_panels(x, self.packed, self.bias)
+        y = self.ops.linear_panels(x, self.packed, self.bias, False, self.scale)
         if self.pairs:
             return y.view(*y.shape[:-1], -1, 2, 16).transpose(-3, -2).reshape(y.shape)
         return y if y.shape[-1] == self.out_features else y[..., :self.out_features].contiguous()
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a ``pairs`` projection."""
-        return self.ops.linear_panels(x, self.packed, self.bias, True)
+        return self.ops.linear_panels(x, self.packed, self.bias, True, self.scale)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (", int8" if self.scale is not None else ""))
 
 
-def _stack(linears: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose outputs are the concatenated outputs of ``linears`` (same input size, all or no bias)."""
-    cat = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
-                    bias=linears[0].bias is not None, device="meta")
-    cat.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
-    if cat.bias is not None:
-        cat.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
-    return cat
+def _stack(linears: list[nn.Module]) -> Weights:
+    """The weights of one Linear whose outputs are the concatenated outputs of ``linears`` (same input size,
+    all or no bias, all fp32 or all int8)."""
+    ws = [_weights(m) for m in linears]
+    cat = [None if any(t[i] is None for t in ws) else torch.cat([t[i] for t in ws]) for i in range(3)]
+    return cat[0], cat[1], cat[2]
 
 
-def _packed(linear: nn.Linear, ops) -> nn.Module:
+def _packed(linear: nn.Module | Weights, ops) -> nn.Module:
     """``linear`` on the panel kernel with serve.kernels' ``ops``, else on oneDNN."""
     return PanelLinear(linear, ops) if ops is not None else OneDNNLinear(linear)
 
@@ -145,7 +184,8 @@ class FusedSlice(nn.Module):
 FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+def _candidates(model: nn.Module, ops=None) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, module) of every fp32 CPU Linear to pack, and with ``ops`` every int8 one."""
     ptrs: dict[int, int] = {}
     for p in model.parameters():
         if not p.is_meta and type(p) in (torch.Tensor, nn.Parameter):
@@ -157,6 +197,9 @@ def _candidates(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     out = []
     for parent in model.modules():
         for name, child in parent.named_children():
+            if ops is not None and _is_int8(child):
+                out.append((parent, name, child))
+                continue
             if type(child) is not nn.Linear or not _resident(child):
                 continue
             w = child.weight
@@ -223,10 +266,10 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
         raise ValueError(f"dense kernel mode must be one of {MODES}, not {mode!r}")
     if mode == "off" or (ops is None and not available()):
         return 0
-    todo = _candidates(model)
+    todo = _candidates(model, ops)
     if not todo:
         return 0
-    largest = max((c for _, _, c in todo), key=lambda c: c.weight.numel())
+    largest = max((c for _, _, c in todo), key=lambda c: c.in_features * c.out_features)
     if mode == "auto" and not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
         return 0
     maps = _file_maps() if sys.platform.startswith("linux") else []
@@ -236,7 +279,8 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
     for parent, children in by_parent.values():
         for group in FUSE_GROUPS:
             mods = [children.get(n) for n in group]
-            if any(m is None for m in mods) or len({(m.in_features, m.bias is None) for m in mods}) != 1:
+            if any(m is None for m in mods) or \
+                    len({(m.in_features, _is_int8(m), _weights(m)[1] is None) for m in mods}) != 1:
                 continue
             if group == ("gate_proj", "up_proj") and ops is not None and mods[0].out_features % 16 == 0 \
                     and mods[0].out_features == mods[1].out_features:
@@ -251,5 +295,6 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
         for name, child in children.items():
             setattr(parent, name, _packed(child, ops))
     for _, _, child in todo:  # nothing else reads these weights now (candidates share no storage)
-        _drop_file_pages(child.weight.detach(), maps)
+        if type(child) is nn.Linear:
+            _drop_file_pages(child.weight.detach(), maps)
     return len(todo)

@@ -24,7 +24,7 @@ def _spec(m, gate_up: bool) -> tuple | None:
         if m.pairs != gate_up:
             return None
         return (PANEL_SILU_PAIRS if gate_up else PANEL, m.packed, _NONE if m.bias is None else m.bias.detach(),
-                _NONE, 0, 0)
+                _NONE if m.scale is None else m.scale, 0, 0)
     if type(m) is Int4KernelLinear and not gate_up:
         ql = m.ql
         return (INT4, ql.packed, ql.scale_zeros, _NONE if ql.bias is None else ql.bias.detach().float(),

@@ -32,7 +32,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul);
+                         bool silu_mul, const c10::optional<at::Tensor>& scale);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
                        int64_t group_size, int64_t block);
 

@@ -11,7 +11,8 @@ namespace memfit {
 // L1/L2), and no packing of x is needed.
 
 at::Tensor pack_panels(const at::Tensor& w) {
-  check_f32_cpu(w, "weight");
+  TORCH_CHECK(w.device().is_cpu() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar),
+              "weight must be a CPU float32 or int8 tensor");
   TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "weight must be [N, K] with N a multiple of 16");
   const int64_t N = w.size(0), K = w.size(1);
   return w.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
@@ -37,24 +38,44 @@ inline v16 vexp(v16 x) {
   return p * two_n;
 }
 
-// SILU: the panels come in (gate, up) pairs of the same 16 outputs and y gets silu(gate) * up, 16 per pair
-template <int MR, int NP, bool SILU = false>
-inline void panel_kernel(const float* x, int64_t K, const float* P, float* y, int64_t ldy, const float* bias) {
+// 16 weights of a panel row as floats: fp32 as they are, int8 widened (the row's scale is applied at the end)
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline v16 load16(const int8_t* p) {
+#ifdef __AVX512F__
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  v16 r;
+  std::memcpy(&r, &f, 64);
+  return r;
+#else
+  v16 r;
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+// SILU: the panels come in (gate, up) pairs of the same 16 outputs and y gets silu(gate) * up, 16 per pair.
+// W = int8_t: y = (x @ Wq^T) * scale (per output) + bias.
+template <int MR, int NP, bool SILU = false, typename W = float>
+inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_t ldy, const float* bias,
+                         const float* scale) {
   v16 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NP; ++j) acc[m][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
     v16 w[NP];
     for (int j = 0; j < NP; ++j) {
-      const float* pk = P + (j * K + k) * 16;
-      w[j] = *reinterpret_cast<const v16*>(pk);
-      __builtin_prefetch(pk + 256);
+      const W* pk = P + (j * K + k) * 16;
+      w[j] = load16(pk);
+      __builtin_prefetch(pk + 1024 / sizeof(W));  // 1 KiB ahead
     }
     for (int m = 0; m < MR; ++m) {
       const float xv = x[m * K + k];
       for (int j = 0; j < NP; ++j) acc[m][j] += xv * w[j];
     }
   }
+  if (scale)
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NP; ++j) acc[m][j] *= *reinterpret_cast<const v16u*>(scale + j * 16);
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NP; ++j)
       if (bias) acc[m][j] += *reinterpret_cast<const v16u*>(bias + j * 16);
@@ -71,33 +92,63 @@ inline void panel_kernel(const float* x, int64_t K, const float* P, float* y, in
 }
 
 // ldy: y's row stride (N, or N / 2 with SILU)
-template <int NP, bool SILU = false>
-void panel_rows(const float* x, int64_t M, int64_t K, const float* P, float* y, int64_t ldy, int64_t p,
-                const float* bias) {
-  const float* pp = P + p * K * 16;
+template <int NP, bool SILU = false, typename W = float>
+void panel_rows(const float* x, int64_t M, int64_t K, const W* P, float* y, int64_t ldy, int64_t p,
+                const float* bias, const float* scale) {
+  const W* pp = P + p * K * 16;
   const float* bp = bias ? bias + p * 16 : nullptr;
+  const float* sp = scale ? scale + p * 16 : nullptr;
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const float* xr = x + m0 * K;
     float* yr = y + m0 * ldy + p * (SILU ? 8 : 16);
     switch (std::min<int64_t>(8, M - m0)) {
-      case 1: panel_kernel<1, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      case 2: panel_kernel<2, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      case 3: panel_kernel<3, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      case 4: panel_kernel<4, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      case 5: panel_kernel<5, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      case 6: panel_kernel<6, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      case 7: panel_kernel<7, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
-      default: panel_kernel<8, NP, SILU>(xr, K, pp, yr, ldy, bp); break;
+      case 1: panel_kernel<1, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 2: panel_kernel<2, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 3: panel_kernel<3, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 4: panel_kernel<4, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 5: panel_kernel<5, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 6: panel_kernel<6, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 7: panel_kernel<7, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      default: panel_kernel<8, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
     }
   }
 }
 
+template <typename W>
+void run_panels(const float* xp, int64_t M, int64_t K, const W* pp, float* yp, int64_t NPAN, const float* bp,
+                const float* sp, bool silu_mul) {
+  const int64_t N = NPAN * 16;
+  if (silu_mul) {  // whole pairs per thread and per kernel call
+    at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
+      int64_t q = q0;
+      if (M <= 2)
+        for (; q + 2 <= q1; q += 2) panel_rows<4, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp);
+      for (; q < q1; ++q) panel_rows<2, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp);
+    });
+    return;
+  }
+  // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
+  // 32 vector registers at 8 rows
+  const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
+  at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
+    int64_t p = p0;
+    for (; p + np <= p1; p += np) {
+      if (np == 4) panel_rows<4, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
+      else if (np == 3) panel_rows<3, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
+      else panel_rows<2, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
+    }
+    for (; p < p1; ++p) panel_rows<1, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
+  });
+}
+
 // y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with silu_mul, W's panels are (gate, up)
 // pairs and y = silu(gate) * up has half the columns (the MLP's activation fused into its gate/up projection).
+// An int8 W needs ``scale`` (one per output): W = Wq * scale.
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul) {
+                         bool silu_mul, const c10::optional<at::Tensor>& scale) {
   check_f32_cpu(x_in, "x");
-  check_f32_cpu(P, "packed weight");
+  const bool int8 = P.scalar_type() == at::kChar;
+  TORCH_CHECK(P.device().is_cpu() && (int8 || P.scalar_type() == at::kFloat), "packed weight must be fp32 or int8");
   TORCH_CHECK(P.dim() == 3 && P.size(2) == 16 && P.is_contiguous(), "packed weight must come from pack_panels");
   const int64_t K = P.size(1), NPAN = P.size(0), N = NPAN * 16;
   TORCH_CHECK(x_in.size(-1) == K, "x's last size ", x_in.size(-1), " != the weight's ", K);
@@ -110,35 +161,24 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
     TORCH_CHECK(b.numel() == N, "bias must have one entry per output");
   }
   TORCH_CHECK(!silu_mul || NPAN % 2 == 0, "silu_mul needs (gate, up) panel pairs");
+  at::Tensor sc;
+  TORCH_CHECK(int8 == (scale.has_value() && scale->defined()), "an int8 weight needs a scale, an fp32 one none");
+  if (int8) {
+    sc = scale->contiguous();
+    check_f32_cpu(sc, "scale");
+    TORCH_CHECK(sc.numel() == N, "scale must have one entry per output");
+  }
   auto sizes = x.sizes().vec();
   sizes.back() = silu_mul ? N / 2 : N;
   auto y = at::empty(sizes, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const float* pp = P.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (silu_mul) {  // whole pairs per thread and per kernel call
-    at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
-      int64_t q = q0;
-      if (M <= 2)
-        for (; q + 2 <= q1; q += 2) panel_rows<4, true>(xp, M, K, pp, yp, N / 2, 2 * q, bp);
-      for (; q < q1; ++q) panel_rows<2, true>(xp, M, K, pp, yp, N / 2, 2 * q, bp);
-    });
-    return y;
-  }
-  // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
-  // 32 vector registers at 8 rows
-  const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
-  at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
-    int64_t p = p0;
-    for (; p + np <= p1; p += np) {
-      if (np == 4) panel_rows<4>(xp, M, K, pp, yp, N, p, bp);
-      else if (np == 3) panel_rows<3>(xp, M, K, pp, yp, N, p, bp);
-      else panel_rows<2>(xp, M, K, pp, yp, N, p, bp);
-    }
-    for (; p < p1; ++p) panel_rows<1>(xp, M, K, pp, yp, N, p, bp);
-  });
+  if (int8)
+    run_panels<int8_t>(xp, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), silu_mul);
+  else
+    run_panels<float>(xp, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, silu_mul);
   return y;
 }
 

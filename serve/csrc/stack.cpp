@@ -10,15 +10,16 @@ namespace memfit {
 
 namespace {
 
+c10::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; }
+
 at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
   switch (l.kind) {
     case kPanel:
-      return linear_panels(x, l.a, l.b.defined() ? c10::optional<at::Tensor>(l.b) : c10::nullopt, false);
     case kPanelSiluPairs:
-      return linear_panels(x, l.a, l.b.defined() ? c10::optional<at::Tensor>(l.b) : c10::nullopt, true);
+      return linear_panels(x, l.a, opt(l.b), l.kind == kPanelSiluPairs, opt(l.c));
     case kInt4: {
       auto y = int4_linear(x, l.a, l.b, l.group, l.block);
-      return l.bias.defined() ? y.add_(l.bias) : y;
+      return l.c.defined() ? y.add_(l.c) : y;
     }
     case kInt4GateUp: {  // [gate | up] from one int4 call, then silu(gate) * up
       auto gu = int4_linear(x, l.a, l.b, l.group, l.block);
@@ -33,19 +34,19 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
 
 LayerStack::LayerStack(std::vector<at::Tensor> norm_in, std::vector<at::Tensor> norm_post, double eps,
                        std::vector<int64_t> kinds, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
-                       std::vector<at::Tensor> bias, std::vector<int64_t> groups, std::vector<int64_t> blocks,
+                       std::vector<at::Tensor> c, std::vector<int64_t> groups, std::vector<int64_t> blocks,
                        std::vector<at::Tensor> k_cache, std::vector<at::Tensor> v_cache, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, double scale)
     : norm_in_(std::move(norm_in)), norm_post_(std::move(norm_post)), eps_(eps), kc_(std::move(k_cache)),
       vc_(std::move(v_cache)), H_(heads), KV_(kv_heads), D_(head_dim), scale_(scale) {
   const size_t L = norm_in_.size();
   TORCH_CHECK(norm_post_.size() == L && kc_.size() == L && vc_.size() == L && kinds.size() == 4 * L &&
-                  a.size() == 4 * L && b.size() == 4 * L && bias.size() == 4 * L && groups.size() == 4 * L &&
+                  a.size() == 4 * L && b.size() == 4 * L && c.size() == 4 * L && groups.size() == 4 * L &&
                   blocks.size() == 4 * L,
               "LayerStack: 4 linears (qkv, o, gate_up, down) and 2 norms per layer");
   for (size_t i = 0; i < 4 * L; ++i) {
     auto none = [](const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; };
-    linears_.push_back(LinearSpec{kinds[i], a[i], none(b[i]), none(bias[i]), groups[i], blocks[i]});
+    linears_.push_back(LinearSpec{kinds[i], a[i], none(b[i]), none(c[i]), groups[i], blocks[i]});
   }
 }
 

@@ -9,10 +9,11 @@ namespace memfit {
 
 enum LinearKind : int64_t { kPanel = 0, kPanelSiluPairs = 1, kInt4 = 2, kInt4GateUp = 3 };
 
-// one projection: panel (a = packed, b = bias) or int4 (a = packed, b = scale_zeros, bias = bias)
+// one projection: panel (a = packed fp32 or int8, b = bias, c = int8's per-output scale) or int4 (a = packed,
+// b = scale_zeros, c = bias); undefined tensors for what a projection does not have
 struct LinearSpec {
   int64_t kind;
-  at::Tensor a, b, bias;
+  at::Tensor a, b, c;
   int64_t group, block;
 };
 
@@ -20,7 +21,7 @@ class LayerStack {
  public:
   LayerStack(std::vector<at::Tensor> norm_in, std::vector<at::Tensor> norm_post, double eps,
              std::vector<int64_t> kinds, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
-             std::vector<at::Tensor> bias, std::vector<int64_t> groups, std::vector<int64_t> blocks,
+             std::vector<at::Tensor> c, std::vector<int64_t> groups, std::vector<int64_t> blocks,
              std::vector<at::Tensor> k_cache, std::vector<at::Tensor> v_cache, int64_t heads, int64_t kv_heads,
              int64_t head_dim, double scale);
   at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,

@@ -127,3 +127,38 @@ def test_packing_gives_back_the_page_cache_of_zero_copy_weights(tmp_path) -> Non
     assert sm.dense_packed == 4 * 7
     # reordering reads every weight; their file pages are dropped again, not left counted in RSS
     assert _rss_file_kib() - before < linear_kib // 4
+
+
+def test_int8_dynamic_quantized_linears_run_on_the_int8_panel_kernel() -> None:
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.model.layers = quantize_dynamic(model.model.layers, {nn.Linear}, dtype=torch.qint8)
+    # the reference: the same model in fp32 with every weight replaced by its dequantized int8 codes
+    ref_model = LlamaForCausalLM(cfg).eval()
+    ref_model.load_state_dict({k: v for k, v in model.state_dict().items() if "_packed_params" not in k},
+                              strict=False)
+    for ly, ref_ly in zip(model.model.layers, ref_model.model.layers, strict=True):
+        for part in ("self_attn", "mlp"):
+            for name, child in getattr(ly, part).named_children():
+                if hasattr(child, "weight") and callable(child.weight):
+                    ref = getattr(getattr(ref_ly, part), name)
+                    ref.weight.data.copy_(child.weight().dequantize())
+    ids = torch.randint(3, 300, (20,))
+    with torch.no_grad():
+        want = ref_model(ids[None]).logits[0]
+    sm = SlotModel(model, 1, 32, dense_kernel="on", cpu_kernels="on")
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.o_proj) is PanelLinear and layer.self_attn.o_proj.scale is not None
+    assert sm.stack is not None and sm.silu_pairs == [True, True]
+    torch.testing.assert_close(sm.forward(ids, [Segment(0, 0, 20)])[0], want[-1], atol=1e-4, rtol=1e-4)
+    stack, sm.stack = sm.stack, None  # the Python loop over the same modules
+    torch.testing.assert_close(sm.forward(ids[:5], [Segment(0, 0, 5)])[0], want[4], atol=1e-4, rtol=1e-4)
+    sm.stack = stack

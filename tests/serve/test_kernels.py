@@ -138,3 +138,15 @@ def test_linear_panels_silu_mul_matches_torch(ops):
     torch.testing.assert_close(got, F.silu(x), atol=1e-6, rtol=2e-6)
     with pytest.raises(RuntimeError, match="pairs"):
         ops.linear_panels(torch.randn(1, 8), ops.pack_panels(torch.randn(16, 8)), None, True)
+
+
+def test_linear_panels_int8_weights(ops):
+    torch.manual_seed(5)
+    codes = torch.randint(-127, 128, (32, 24), dtype=torch.int8)
+    scale, b = torch.rand(32) * 0.01, torch.randn(32)
+    packed = ops.pack_panels(codes)
+    x = torch.randn(3, 24)
+    want = F.linear(x, codes.float() * scale[:, None], b)
+    torch.testing.assert_close(ops.linear_panels(x, packed, b, False, scale), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="needs a scale"):
+        ops.linear_panels(x, packed)
