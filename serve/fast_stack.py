@@ -2,8 +2,8 @@
 
 Used when every layer is on the fast path already: CPU, fp32 activations and KV cache, no offload hooks or
 tensor-parallel shards, Llama-family RMSNorms, no q/k norms (qwen3 stays on the Python loop), static RoPE,
-fused q/k/v, and every projection on serve.kernels' panel (fp32) or int4 kernels. The Python loop in
-serve.model is the reference (tests compare the two) and runs everything else.
+fused q/k/v, and every projection on serve.kernels' panel (fp32 or int8) or int4 kernels with unpadded outputs.
+The Python loop in serve.model is the reference (tests compare the two) and runs everything else.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ _NONE = torch.empty(0)
 
 
 def _spec(m, gate_up: bool) -> tuple | None:
-    """(kind, a, b, bias, group, block) of one projection, or None when the C++ loop cannot run it."""
+    """(kind, a, b, c, group, block) of one projection (stack.h: LinearSpec), or None when the C++ loop cannot
+    run it."""
     if type(m) is PanelLinear:
-        if m.pairs != gate_up:
+        if m.pairs != gate_up or m.packed.shape[0] * 16 != m.out_features:  # padded outputs are sliced in Python
             return None
         return (PANEL_SILU_PAIRS if gate_up else PANEL, m.packed, _NONE if m.bias is None else m.bias.detach(),
                 _NONE if m.scale is None else m.scale, 0, 0)
@@ -53,7 +54,7 @@ def build(sm) -> object | None:
     if sm.dtype != torch.float32 or any(d.type != "cpu" for d in sm.layer_devices) or \
             any(k.dtype != torch.float32 for k in sm.k_cache):
         return None
-    cols: dict[str, list] = {k: [] for k in ("norm_in", "norm_post", "kinds", "a", "b", "bias", "groups", "blocks")}
+    cols: dict[str, list] = {k: [] for k in ("norm_in", "norm_post", "kinds", "a", "b", "c", "groups", "blocks")}
     eps = None
     for li, layer in enumerate(sm.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -75,13 +76,13 @@ def build(sm) -> object | None:
             return None
         cols["norm_in"].append(norms[0])
         cols["norm_post"].append(norms[1])
-        for kind, a, b, bias, group, block in specs:
+        for kind, a, b, c, group, block in specs:
             cols["kinds"].append(kind)
             cols["a"].append(a)
             cols["b"].append(b)
-            cols["bias"].append(bias)
+            cols["c"].append(c)
             cols["groups"].append(group)
             cols["blocks"].append(block)
     return ops.LayerStack(cols["norm_in"], cols["norm_post"], float(eps), cols["kinds"], cols["a"], cols["b"],
-                          cols["bias"], cols["groups"], cols["blocks"], sm.k_cache, sm.v_cache, sm.num_heads,
+                          cols["c"], cols["groups"], cols["blocks"], sm.k_cache, sm.v_cache, sm.num_heads,
                           sm.num_kv, sm.head_dim, float(sm.scale))

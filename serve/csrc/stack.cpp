@@ -1,6 +1,7 @@
-// SlotModel's decoder layers as one C++ loop over this file's kernels (serve/fast_stack.py says when it is
-// used). Why: the Python loop dispatched ~25 ops a layer, ~1.3 ms of a 30M model's 3 ms (4-bit) or 7 ms
-// (fp32) batch-1 decode step; here the same calls cost a fraction of that.
+// SlotModel's decoder layers as one C++ loop over the kernels of this folder (serve/fast_stack.py says when it
+// is used). Why: the Python loop dispatched ~25 ops a layer. Same-process A/B on the serving benchmark's 33.7M
+// Llama, decode step Python loop vs this: batch 1 4-bit 3.80 vs 2.46 ms, fp32 7.41 vs 5.82; batch 16 0.87x;
+// outputs bit-equal.
 #include <torch/extension.h>
 
 #include "common.h"
