@@ -239,25 +239,31 @@ inline void int4_rows(const float* xg, int64_t K, const float* tile, int64_t gs,
 template <int B, int MR>
 inline void int4_direct(const float* xg, int64_t K, const uint8_t* pk, const v16* sc, const v16* ze, int64_t gs,
                         float* y, int64_t N, bool first) {
+  // sum_k x[k] ((q[k] s + z)) = s sum_k x[k] q[k] + z sum_k x[k]: the group's codes are multiplied unscaled and
+  // the scale and zero applied once per group (one FMA per 16 weights and row instead of two)
   constexpr int V = B / 16;
   v16 acc[MR][V];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) acc[m][v] = first ? v16{} : *reinterpret_cast<const v16u*>(y + m * N + v * 16);
+  float xs[MR];
+  for (int m = 0; m < MR; ++m) {
+    xs[m] = 0.f;
+    for (int v = 0; v < V; ++v) acc[m][v] = v16{};
+  }
   for (int64_t kk = 0; kk < gs; ++kk) {
     const uint8_t* row = pk + kk * (B / 2);
     v16 w[V];
-    for (int h = 0; h < V / 2; ++h) {
-      nibbles_to_float(row + h * 16, w[h], w[V / 2 + h]);
-      w[h] = w[h] * sc[h] + ze[h];
-      w[V / 2 + h] = w[V / 2 + h] * sc[V / 2 + h] + ze[V / 2 + h];
-    }
+    for (int h = 0; h < V / 2; ++h) nibbles_to_float(row + h * 16, w[h], w[V / 2 + h]);
     for (int m = 0; m < MR; ++m) {
       const float xv = xg[m * K + kk];
+      xs[m] += xv;
       for (int v = 0; v < V; ++v) acc[m][v] += xv * w[v];
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) *reinterpret_cast<v16u*>(y + m * N + v * 16) = acc[m][v];
+    for (int v = 0; v < V; ++v) {
+      const v16 r = acc[m][v] * sc[v] + xs[m] * ze[v];
+      v16u* out = reinterpret_cast<v16u*>(y + m * N + v * 16);
+      *out = first ? r : *out + r;
+    }
 }
 
 template <int B>
