@@ -69,6 +69,10 @@ def _is_int8(m: nn.Module) -> bool:
 Weights = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
+def _has_bias(m: nn.Module) -> bool:
+    return (m.bias() if _is_int8(m) else m.bias) is not None
+
+
 def _weights(m: nn.Module | Weights) -> Weights:
     """(weight [N, K], bias, per-output scale): fp32 and no scale for an ``nn.Linear``; int8 codes and their
     scales for a torch dynamic-quantized Linear (W = codes * scale)."""
@@ -280,7 +284,7 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
         for group in FUSE_GROUPS:
             mods = [children.get(n) for n in group]
             if any(m is None for m in mods) or \
-                    len({(m.in_features, _is_int8(m), _weights(m)[1] is None) for m in mods}) != 1:
+                    len({(m.in_features, _is_int8(m), _has_bias(m)) for m in mods}) != 1:
                 continue
             if group == ("gate_proj", "up_proj") and ops is not None and mods[0].out_features % 16 == 0 \
                     and mods[0].out_features == mods[1].out_features:

@@ -6,6 +6,28 @@
 
 namespace memfit {
 
+namespace {
+
+// the slot caches both kernels read or write: fp32, contiguous, the same [B, KV, S, D] with D = head_dim
+void check_caches(const at::Tensor& kc, const at::Tensor& vc, int64_t head_dim) {
+  check_f32_cpu(kc, "k_cache");
+  check_f32_cpu(vc, "v_cache");
+  TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
+              "caches must be contiguous [B, KV, S, D], both the same");
+  TORCH_CHECK(kc.size(3) == head_dim, "head_dim mismatch");
+}
+
+// an index tensor as n contiguous int64 values, each checked against [lo, hi)
+at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, int64_t hi, const char* name) {
+  auto r = t.to(at::kLong).contiguous();
+  TORCH_CHECK(r.numel() == n, name, " must have one entry per row");
+  const int64_t* p = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= lo && p[i] < hi, name, " out of range");
+  return r;
+}
+
+}  // namespace
+
 // y = x / sqrt(mean(x^2) + eps) * w over the last dimension (as torch.nn.functional.rms_norm).
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
   check_f32_cpu(x_in, "x");
@@ -39,22 +61,18 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
                 int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions) {
   check_f32_cpu(qkv, "qkv");
-  check_f32_cpu(kc, "k_cache");
-  check_f32_cpu(vc, "v_cache");
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "qkv must be [T, heads, D] with a contiguous last dim");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4, "caches must be contiguous [B, KV, S, D]");
   const int64_t T = qkv.size(0), D = qkv.size(2), KV = kc.size(1), S = kc.size(2), B = kc.size(0);
-  TORCH_CHECK(D % 2 == 0 && kc.size(3) == D, "head_dim mismatch");
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even");
+  check_caches(kc, vc, D);
   auto c = cos.reshape({T, D}).contiguous();
   auto s = sin.reshape({T, D}).contiguous();
   check_f32_cpu(c, "cos");
-  auto sl = slots.to(at::kLong).contiguous();
-  auto ps = positions.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == T && ps.numel() == T, "slots/positions must have one entry per token");
+  check_f32_cpu(s, "sin");
+  auto sl = checked_indices(slots, T, 0, B, "slot");
+  auto ps = checked_indices(positions, T, 0, S, "position");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* psp = ps.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(slp[t] >= 0 && slp[t] < B && psp[t] >= 0 && psp[t] < S, "slot or position out of range");
   float* base = qkv.data_ptr<float>();
   const int64_t st = qkv.stride(0), sh = qkv.stride(1), half = D / 2;
   const float* cp = c.data_ptr<float>();
@@ -90,20 +108,15 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
                             const at::Tensor& lens, double scale) {
   check_f32_cpu(q, "q");
-  check_f32_cpu(kc, "k_cache");
-  check_f32_cpu(vc, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, H, D] with a contiguous last dim");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4, "caches must be contiguous [B, KV, S, D]");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
-  TORCH_CHECK(H % KV == 0 && kc.size(3) == D, "head shapes mismatch");
+  check_caches(kc, vc, D);
+  TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
   const int64_t G = H / KV;
-  auto sl = slots.to(at::kLong).contiguous();
-  auto ln = lens.to(at::kLong).contiguous();
-  TORCH_CHECK(sl.numel() == n && ln.numel() == n, "slots/lens must have one entry per query");
+  auto sl = checked_indices(slots, n, 0, B, "slot");
+  auto ln = checked_indices(lens, n, 1, S + 1, "length");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* lnp = ln.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(slp[i] >= 0 && slp[i] < B && lnp[i] >= 1 && lnp[i] <= S, "slot or length out of range");
   auto out = at::empty({n, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
