@@ -23,6 +23,15 @@ PROSPERO. We are such stuff as dreams are made on, and our little life is rounde
 """
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_kernels_built():
+    """Build serve.kernels (~1 min on a fresh machine) before any test, not inside a live server's load, where
+    it would count against that fixture's wait for /health (``pytest tests/serve`` alone on a fresh clone)."""
+    from serve import kernels
+
+    kernels.load("auto")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     """Tiny models: intra-op threads only add sync overhead (and stall badly on a loaded 2-core box).
