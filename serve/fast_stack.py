@@ -30,8 +30,8 @@ def _spec(m, gate_up: bool) -> tuple | None:
         ql = m.ql
         return (INT4, ql.packed, ql.scale_zeros, _NONE if ql.bias is None else ql.bias.detach().float(),
                 ql.group_size, m.block)
-    int4 = getattr(m, "int4", None)  # serve.fuse's fused int4 call (no bias)
-    if int4 is not None:
+    int4 = getattr(m, "int4", None)  # serve.fuse's fused int4 call (no bias; gate/up as silu pairs)
+    if int4 is not None and (not gate_up or getattr(m, "pairs", False)):
         packed, sz, group, block = int4
         return (INT4_GATE_UP if gate_up else INT4, packed, sz, _NONE, group, block)
     return None
@@ -58,10 +58,7 @@ def build(sm) -> object | None:
     eps = None
     for li, layer in enumerate(sm.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if hasattr(attn, "q_norm") or not sm.silu_pairs[li] and getattr(sm.gate_up[li], "int4", None) is None:
-            return None
-        if getattr(sm.gate_up[li], "int4", None) is not None and \
-                type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        if hasattr(attn, "q_norm") or not sm.silu_pairs[li]:  # the MLP as silu(gate) * up pairs (panel or int4)
             return None
         norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
         if any(n is None for n in norms):

@@ -116,6 +116,19 @@ def fuse(mods: list[nn.Module], ops=None) -> Callable[[torch.Tensor], torch.Tens
 
             # what serve.fast_stack hands the C++ layer loop
             int4_kernel.int4 = (packed, scale_zeros, group, block)  # type: ignore[attr-defined]
+            # two equal halves (the MLP's gate and up): silu(gate) * up straight from the kernel, as
+            # serve.dense.PanelLinear's pairs (serve.model checks the activation is SiLU before using it)
+            sizes = [m.out_features for m in mods]
+            int4_kernel.pairs = len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % block == 0  # type: ignore[attr-defined]
+
+            def silu_mul(x: torch.Tensor) -> torch.Tensor:
+                if x.dtype != torch.float32:
+                    gu = int4(x)
+                    n = gu.shape[-1] // 2
+                    return torch.nn.functional.silu(gu[..., :n]) * gu[..., n:]
+                return ops.int4_linear(x, packed, scale_zeros, group, block, silu_mul=True)
+
+            int4_kernel.silu_mul = silu_mul  # type: ignore[attr-defined]
             return int4_kernel
 
         def int4(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,26 @@ typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(64)));
 
+// exp(x) for 16 floats (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); GCC's std::exp stayed scalar
+inline v16 vexp(v16 x) {
+  x = x < 88.37f ? x : 88.37f;
+  x = x > -87.33f ? x : -87.33f;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
+  n = n > fx ? n - 1.f : n;  // floor
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &e, 64);
+  return p * two_n;
+}
+
 inline void check_f32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
 }
@@ -34,6 +54,6 @@ at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
                          bool silu_mul, const c10::optional<at::Tensor>& scale);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block);
+                       int64_t group_size, int64_t block, bool silu_mul);
 
 }  // namespace memfit

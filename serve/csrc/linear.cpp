@@ -18,26 +18,6 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return w.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
 
-// exp(x) for 16 floats (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); GCC's std::exp stayed scalar
-inline v16 vexp(v16 x) {
-  x = x < 88.37f ? x : 88.37f;
-  x = x > -87.33f ? x : -87.33f;
-  v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
-  n = n > fx ? n - 1.f : n;  // floor
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &e, 64);
-  return p * two_n;
-}
-
 // 16 weights of a panel row as floats: fp32 as they are, int8 widened (the row's scale is applied at the end)
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
 inline v16 load16(const int8_t* p) {
@@ -317,8 +297,11 @@ void int4_block(const float* x, int64_t M, int64_t K, const uint8_t* pk, const u
 }
 
 // y = x @ W^T for x [..., K] fp32 and W in torch's CPU int4 pack with B-row blocks (B = 32 or 64).
+// silu_mul: W is [gate; up] (N rows, the halves each a multiple of B) and y [..., N / 2] gets silu(gate) * up,
+// each thread computing a gate block and its up block and combining them while they are in L1 (as the panel
+// kernel's epilogue; replaced at::silu, narrow and mul_ after the call)
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block) {
+                       int64_t group_size, int64_t block, bool silu_mul) {
   check_f32_cpu(x_in, "x");
   TORCH_CHECK(block == 32 || block == 64, "block must be 32 or 64");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -329,28 +312,41 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   TORCH_CHECK(N % block == 0 && group_size > 0 && K % group_size == 0 && scale_zeros.size(0) == K / group_size &&
               scale_zeros.size(1) == N && scale_zeros.size(2) == 2, "int4 pack shapes mismatch");
   TORCH_CHECK(x_in.size(-1) == K, "x's last size ", x_in.size(-1), " != the weight's ", K);
+  TORCH_CHECK(!silu_mul || (N / 2) % block == 0, "silu_mul: each half of the weight must be a multiple of the block");
   auto x = x_in.contiguous();
   const int64_t M = x.numel() / K;
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = at::empty(sizes, x.options());
-  if (M == 0) return y;
+  sizes.back() = silu_mul ? N / 2 : N;
+  auto out = at::empty(sizes, x.options());
+  if (M == 0) return out;
+  auto y = silu_mul ? at::empty({M, N}, x.options()) : out;
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / block, 1, [&](int64_t b0, int64_t b1) {
-    });
-  at::parallel_for(0, N / block, 1, [&](int64_t b0, int64_t b1) {
+  float* op = out.data_ptr<float>();
+  const int64_t nb = N / block, half = N / 2;
+  at::parallel_for(0, silu_mul ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(group_size * block + 16);
     float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    for (int64_t b = b0; b < b1; ++b) {
+    auto run = [&](int64_t b) {
       const uint8_t* pk = pp + b * block * (K / 2);
       if (block == 64) int4_block<64>(xp, M, K, pk, szp, N, b * 64, group_size, yp, tile);
       else int4_block<32>(xp, M, K, pk, szp, N, b * 32, group_size, yp, tile);
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      run(b);
+      if (!silu_mul) continue;
+      run(b + nb / 2);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = b * block; c < (b + 1) * block; c += 16) {
+          const v16 g = *reinterpret_cast<const v16u*>(yp + m * N + c);
+          const v16 u = *reinterpret_cast<const v16u*>(yp + m * N + half + c);
+          *reinterpret_cast<v16u*>(op + m * half + c) = g / (1.f + vexp(-g)) * u;
+        }
     }
   });
-  return y;
+  return out;
 }
 
 }  // namespace memfit

@@ -19,14 +19,11 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
     case kPanelSiluPairs:
       return linear_panels(x, l.a, opt(l.b), l.kind == kPanelSiluPairs, opt(l.c));
     case kInt4: {
-      auto y = int4_linear(x, l.a, l.b, l.group, l.block);
+      auto y = int4_linear(x, l.a, l.b, l.group, l.block, false);
       return l.c.defined() ? y.add_(l.c) : y;
     }
-    case kInt4GateUp: {  // [gate | up] from one int4 call, then silu(gate) * up
-      auto gu = int4_linear(x, l.a, l.b, l.group, l.block);
-      const int64_t n = gu.size(-1) / 2;
-      return at::silu(gu.narrow(-1, 0, n)).mul_(gu.narrow(-1, n, n));
-    }
+    case kInt4GateUp:  // [gate | up] in one int4 call, silu(gate) * up out
+      return int4_linear(x, l.a, l.b, l.group, l.block, true);
   }
   TORCH_CHECK(false, "unknown linear kind ", l.kind);
 }
@@ -97,7 +94,7 @@ at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Te
 }
 
 void bind_stack(pybind11::module_& m) {
-  pybind11::class_<LayerStack>(m, "LayerStack")
+  pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
