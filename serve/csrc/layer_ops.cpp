@@ -137,8 +137,8 @@ inline void softmax_row(float* p, int64_t L) {
 
 // one (sequence, KV head) work item with D a multiple of 16: the G query rows' 16-float slices and output
 // accumulators stay in vectors, each key / value row is loaded once for all G, and exp runs 16 lanes at a time
-// (this replaced a scalar std::exp loop and per-element reductions; batch-16 decode, 10 layers at ~100
-// positions: see the header of stack.cpp for how it was measured)
+// (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions, cold caches:
+// ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory bandwidth)
 void attend_vec(const float* const* qs, const float* K, const float* V, int64_t L, int64_t G, int64_t D,
                 float sc, float* const* outs, std::vector<float>& p, std::vector<v16>& acc) {
   const int64_t nd = D / 16;
