@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -93,6 +94,7 @@ def _lp_chat(toks) -> dict:
 async def generate(state: State, engine: Engine, request: Request, body, prompts, chat: bool,
                     logprobs: int | None):
     loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
     q: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
     seqs: list[Sequence] = []
     meta: list[tuple[int, str]] = []  # (prompt index, prompt text)
@@ -103,7 +105,12 @@ async def generate(state: State, engine: Engine, request: Request, body, prompts
             params = _params(body, len(ids), state, logprobs, j)
 
             def sink(ev: Event, idx=idx) -> None:
-                loop.call_soon_threadsafe(q.put_nowait, (idx, ev))
+                # `serve` steps the engine on this event loop's thread: put straight into the queue there (the
+                # threadsafe call costs a self-pipe write and read per token); an engine thread must go through it
+                if threading.get_ident() == loop_thread:
+                    q.put_nowait((idx, ev))
+                else:
+                    loop.call_soon_threadsafe(q.put_nowait, (idx, ev))
 
             seqs.append(Sequence(ids, params, sink, vocab))
             meta.append((pi, ptext))

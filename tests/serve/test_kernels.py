@@ -50,10 +50,11 @@ def test_rope_store_matches_torch(ops):
     assert kc.abs().sum(-1).count_nonzero() == T * KV  # nothing else written
 
 
-@pytest.mark.parametrize("H,KV", [(4, 4), (8, 4), (8, 2), (6, 1)])
-def test_decode_attention_matches_sdpa(ops, H, KV):
+@pytest.mark.parametrize("H,KV,D", [(4, 4, 32), (8, 4, 32), (8, 2, 64), (6, 1, 32), (4, 2, 24)])
+def test_decode_attention_matches_sdpa(ops, H, KV, D):
+    # D = 24: the scalar path (head dims that are not a multiple of 16); lengths 1, 40 and 17 leave tails
     torch.manual_seed(2)
-    B, S, D = 4, 40, 32
+    B, S = 4, 40
     kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
     q = torch.randn(3, H + 2, D)[:, :H]  # a strided view, as the fused qkv output gives it
     slots, lens = torch.tensor([3, 0, 2]), torch.tensor([1, 40, 17])
@@ -120,6 +121,28 @@ def test_int4_linear_refuses_bad_shapes(ops):
         ops.int4_linear(torch.zeros(2, 128), packed, sz, 128, 16)
 
 
+def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
+    from compress.qlinear import QuantLinear
+    from compress.quant import QuantArgs
+    from compress.rtn import rtn
+
+    block = kernels.int4_block()
+    if block is None:
+        pytest.skip("torch has no CPU int4 pack here")
+    torch.manual_seed(5)
+    n, k = 2 * block, 256  # [gate; up], each half one block of outputs
+    ql = QuantLinear(rtn(torch.randn(2 * n, k), QuantArgs(4, 128, False)), None)
+    for rows in (1, 3, 4, 5, 16):
+        x = torch.randn(rows, k)
+        gu = ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block)
+        want = F.silu(gu[:, :n]) * gu[:, n:]
+        torch.testing.assert_close(ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, True), want,
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul"):  # halves that are not whole blocks
+        odd = QuantLinear(rtn(torch.randn(3 * block, k), QuantArgs(4, 128, False)), None)
+        ops.int4_linear(x, odd.packed, odd.scale_zeros, 128, block, True)
+
+
 def test_linear_panels_silu_mul_matches_torch(ops):
     torch.manual_seed(4)
     n, k = 48, 40
@@ -127,7 +150,7 @@ def test_linear_panels_silu_mul_matches_torch(ops):
     pairs = torch.stack([g.view(-1, 16, k), u.view(-1, 16, k)], 1).reshape(2 * n, k)  # (gate, up) panel pairs
     b = torch.stack([bg.view(-1, 16), bu.view(-1, 16)], 1).reshape(-1)
     packed = ops.pack_panels(pairs)
-    for rows in (1, 2, 3, 8, 13):
+    for rows in (1, 2, 3, 8, 12, 13, 16, 25):  # the 12-row passes of pairs and their tails
         x = torch.randn(rows, k) * 3
         want = F.silu(F.linear(x, g, bg)) * F.linear(x, u, bu)
         torch.testing.assert_close(ops.linear_panels(x, packed, b, True), want, atol=1e-4, rtol=1e-4)

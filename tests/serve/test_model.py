@@ -91,3 +91,16 @@ def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
     with torch.no_grad():  # and the HF forward over the same (swapped) int4 modules
         ref = model(a[None, :22]).logits[0]
     torch.testing.assert_close(outs["cpp"][0][0], ref[19], atol=1e-4, rtol=1e-4)
+
+
+def test_hooks_on_embedding_and_lm_head_still_run():
+    # SlotModel calls their forward directly only where no hook is registered
+    model = _model("default")
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, args, out: seen.append(("lm_head", tuple(out.shape))))
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: seen.append(("embed", tuple(args[0].shape))))
+    sm = SlotModel(model, 2, 64)
+    sm.forward(torch.tensor([5, 6, 7]), [Segment(0, 0, 3)])
+    assert seen == [("embed", (1, 3)), ("lm_head", (1, 300))]
+    plain = SlotModel(_model("default"), 2, 64)
+    assert plain._lm_head == plain.lm_head.forward and plain._embed == plain.inner.embed_tokens.forward
