@@ -93,6 +93,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                          scale: float) -> torch.Tensor:
+    """Attention of a later prefill chunk q [1, H, n, D] over its slot's keys [0, start + n): the cached prefix
+    unmasked, the chunk itself causally. Two flash calls merged by their logsumexp (as vLLM's merge_attn_states)
+    rather than one SDPA call with an [n, end] mask, because the mask and SDPA's float copy of it are a chunk's
+    largest allocation (2.5 MB per layer at n=256, end=2048); the same as serve/csrc/stack.cpp. GQA needs no
+    repeat: the CPU flash kernel takes fewer key heads."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_a, lse_a = flash(q, k[:, :, :start], v[:, :, :start], scale=scale)
+    o_b, lse_b = flash(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)
+    # softmax over both parts = the parts' outputs weighted by sigmoid(lse_a - lse_b) and its complement
+    w = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    if q.dtype == torch.float32:
+        return torch.lerp(o_b, o_a, w)
+    return torch.lerp(o_b.float(), o_a.float(), w).to(q.dtype)
+
+
 class SlotModel:
     """Wraps an HF ``*ForCausalLM`` (Llama family) with a static slot KV cache."""
 
@@ -344,6 +361,8 @@ class SlotModel:
                 if s.start == 0:
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
                                                         enable_gqa=KV != H)
+                elif dev.type == "cpu":
+                    op = _prefix_attention_cpu(qp, kp, vp, s.start, self.scale)
                 else:
                     mask = torch.ones(n, end, dtype=torch.bool, device=dev).tril(diagonal=s.start)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -68,10 +69,16 @@ def test_packed_forward_matches_hf_logits(loaded):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_logits_equal_unchunked(loaded, chunk):
+@pytest.mark.parametrize("path", ["python", "cpp"])
+def test_chunked_prefill_logits_equal_unchunked(loaded, chunk, path):
     torch.manual_seed(2)
     ids = torch.randint(7, loaded.model.config.vocab_size, (150,))
-    sm = SlotModel(loaded.model, 2, 256)
+    if path == "cpp":  # the server's default: the C++ layer loop (packing rewrites modules, so on a copy)
+        sm = SlotModel(copy.deepcopy(loaded.model), 2, 256, dense_kernel="on", cpu_kernels="on")
+        assert sm.stack is not None
+    else:
+        sm = SlotModel(loaded.model, 2, 256)
+        assert sm.stack is None
     full = sm.forward(ids, [Segment(0, 0, 150)])[0]
     last = None
     for s in range(0, 150, chunk):
