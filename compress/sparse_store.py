@@ -9,7 +9,6 @@ takes 0.5 * 2 + 1/8 = 1.125 bytes per weight instead of 2 (0.5625x).
 from __future__ import annotations
 
 import torch
-from compressed_tensors.utils.helpers import pack_bitmasks, unpack_bitmasks
 
 from training.errors import UserError
 
@@ -49,6 +48,9 @@ def prune_mask(score: torch.Tensor, sparsity: float, nm: tuple[int, int] | None,
 
 def tensors_for(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Bitmask-compress weight w (out, in) of module name; zeros are the pruned weights."""
+    # imported here: only sparse outputs need compressed-tensors, and compress.load/quantize import this module
+    from compressed_tensors.utils.helpers import pack_bitmasks
+
     w = w.detach().to(torch.float16).cpu().contiguous()
     keep = w != 0
     counts = keep.sum(1)
@@ -73,6 +75,8 @@ def read_sparse(get, name: str) -> torch.Tensor:
     bits = get(f"{name}.weight.bitmask")
     if tuple(bits.shape) != (shape[0], (shape[1] + 7) // 8):
         raise UserError(f"{name}.weight.bitmask: shape {tuple(bits.shape)} does not fit weight shape {shape}")
+    from compressed_tensors.utils.helpers import unpack_bitmasks  # see tensors_for
+
     keep = unpack_bitmasks(bits, shape)
     if int(keep.sum()) != values.numel():
         raise UserError(f"{name}.weight.compressed: {values.numel()} values, the bitmask has {int(keep.sum())}")

@@ -37,7 +37,7 @@ from training.errors import UserError
 
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "layer_ops.cpp", CSRC / "linear.cpp", CSRC / "stack.cpp")
+SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "stack.cpp")
 log = logging.getLogger("serve.kernels")
 
 

@@ -285,7 +285,21 @@ def load_placed(path: str, dtype: torch.dtype, device_map: str | dict, max_memor
 
         model = compress.load(path, device="cpu")
         plan = compute_plan(model, device_map, max_memory, max_batch, max_seq_len, dtype, prefetch=prefetch)
-        if set(plan.device_map.values()) != {"cpu"}:
+        devices = set(plan.device_map.values())
+        gpus = sorted((d for d in devices if d not in ("cpu", "disk")), key=str)
+        if gpus:
+            # 4-bit layers are packed for the device's kernel at load (CPU and CUDA int4 packs differ), so a
+            # compress output goes onto GPUs only: loaded on the first one, then spread over the others
+            if devices - set(gpus):
+                raise UserError("a compress output can be placed on GPUs or on CPU/disk, not split between them "
+                                f"(plan: {sorted(map(_dev_name, devices))}); give the GPUs room for all of it "
+                                "(--max-memory) or use --device-map cpu")
+            first = gpus[0] if isinstance(gpus[0], str) else f"cuda:{gpus[0]}"
+            model = compress.load(path, device=first)
+            if len(gpus) > 1:
+                model = dispatch_model(model, plan.device_map, main_device=plan.main_device)
+            return model, plan
+        if devices != {"cpu"}:
             folder = offload_folder or _temp_folder()
             model = dispatch_model(model, plan.device_map, main_device=plan.main_device, offload_dir=folder,
                                    offload_buffers=True)

@@ -33,6 +33,11 @@ def load_pretrained(path: str, allow_pickle: bool = False, trust_remote_code: bo
                     **kwargs: Any) -> torch.nn.Module:
     check_checkpoint_dir(path, allow_pickle)
     has_safetensors = any(Path(path).glob("model*.safetensors"))
+    # transformers (>= 5.2x, with its `kernels` dependency) swaps layers for kernels it downloads from the Hub
+    # (kernels-community/*) when a model is loaded on a GPU or put in train mode: code fetched at run time, which
+    # memfit never runs (no hub access, as with trust_remote_code). Offline that load failed outright (seen on an
+    # H200: "Version 2 of 'kernels-community/rotary' is not available in the local cache").
+    kwargs.setdefault("use_kernels", False)
     try:
         return AutoModelForCausalLM.from_pretrained(
             path, use_safetensors=has_safetensors, trust_remote_code=trust_remote_code,

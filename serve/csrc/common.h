@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,12 +43,35 @@ inline void check_f32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
 }
 
+// the slot caches both kernels read or write: fp32, contiguous, the same [B, KV, S, D] with D = head_dim
+inline void check_caches(const at::Tensor& kc, const at::Tensor& vc, int64_t head_dim) {
+  check_f32_cpu(kc, "k_cache");
+  check_f32_cpu(vc, "v_cache");
+  TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
+              "caches must be contiguous [B, KV, S, D], both the same");
+  TORCH_CHECK(kc.size(3) == head_dim, "head_dim mismatch");
+}
+
+// an index tensor as n contiguous int64 values, each checked against [lo, hi)
+inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, int64_t hi, const char* name) {
+  auto r = t.to(at::kLong).contiguous();
+  TORCH_CHECK(r.numel() == n, name, " must have one entry per row");
+  const int64_t* p = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= lo && p[i] < hi, name, " out of range");
+  return r;
+}
+
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
                 int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions);
+
+// attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
                             const at::Tensor& lens, double scale);
+bool prefill_attention_fits(int64_t head_dim, int64_t end);
+void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
+                       const std::vector<int64_t>& segs, double scale);
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);

@@ -50,12 +50,14 @@ LayerStack::LayerStack(std::vector<at::Tensor> norm_in, std::vector<at::Tensor> 
 
 at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                                const at::Tensor& positions, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
-                               const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill) {
+                               const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill,
+                               const at::Tensor& keep) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [T, hidden]");
   TORCH_CHECK(prefill.size() % 4 == 0, "prefill: (offset, length, slot, start) per segment");
   const int64_t T = h.size(0), H = H_, KV = KV_, D = D_;
   const bool any_dec = dec_tok.numel() > 0;
-  for (size_t li = 0; li < norm_in_.size(); ++li) {
+  const size_t L = norm_in_.size();
+  for (size_t li = 0; li < L; ++li) {
     const LinearSpec* lin = &linears_[4 * li];
     at::Tensor& kc = kc_[li];
     at::Tensor& vc = vc_[li];
@@ -70,9 +72,14 @@ at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Te
       out = at::empty({T, H, D}, h.options());
       if (any_dec) out.index_copy_(0, dec_tok, decode_attention(q.index_select(0, dec_tok), kc, vc, dec_slots,
                                                                 dec_len, scale_));
+      std::vector<int64_t> ours;  // the chunks prefill_attention takes, in one call (one parallel region)
       for (size_t i = 0; i < prefill.size(); i += 4) {
         const int64_t a = prefill[i], n = prefill[i + 1], slot = prefill[i + 2], start = prefill[i + 3];
         const int64_t end = start + n;
+        if (prefill_attention_fits(D, end)) {
+          ours.insert(ours.end(), {a, n, slot, start});
+          continue;
+        }
         auto qp = q.narrow(0, a, n).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
         auto kp = kc.narrow(0, slot, 1).narrow(2, 0, end);
         auto vp = vc.narrow(0, slot, 1).narrow(2, 0, end);
@@ -93,8 +100,17 @@ at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Te
           at::lerp_out(dst, std::get<0>(B), std::get<0>(A), w);
         }
       }
+      if (!ours.empty()) prefill_attention(q, kc, vc, out, ours, scale_);
     }
-    h = h + run_linear(lin[1], out.view({T, H * D}));
+    out = out.view({T, H * D});
+    if (li + 1 == L && keep.numel() > 0) {
+      // the last layer: every token's K/V is in the cache now, and only the `keep` rows (the tokens whose
+      // logits the step returns) go on through o_proj and the MLP (as llama.cpp's inp_out_ids); a prefill
+      // chunk skips ~8% of its FLOPs here (the last layer's o_proj + MLP over all but its last token)
+      out = out.index_select(0, keep);
+      h = h.index_select(0, keep);
+    }
+    h = h + run_linear(lin[1], out);
     x = rms_norm(h, norm_post_[li], eps_);
     h = h + run_linear(lin[3], run_linear(lin[2], x));
   }
@@ -107,7 +123,9 @@ void bind_stack(pybind11::module_& m) {
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, int64_t, int64_t, int64_t, double>())
-      .def("forward", &LayerStack::forward, "the decoder layers over h [T, hidden] (fp32, CPU)");
+      .def("forward", &LayerStack::forward,
+           "the decoder layers over h [T, hidden] (fp32, CPU): the last layer's output rows `keep` "
+           "([len(keep), hidden]), all T rows where keep is empty");
 }
 
 }  // namespace memfit

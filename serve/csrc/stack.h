@@ -26,7 +26,8 @@ class LayerStack {
              int64_t head_dim, double scale);
   at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                      const at::Tensor& positions, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
-                     const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill);
+                     const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill,
+                     const at::Tensor& keep);
 
  private:
   std::vector<at::Tensor> norm_in_, norm_post_;

@@ -6,10 +6,8 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
 import torch
-import uvicorn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.tokenizer import train_bpe
@@ -70,6 +68,9 @@ class LiveServer:
     """uvicorn on 127.0.0.1:<free port> in a thread (signal handlers stay with pytest)."""
 
     def __init__(self, app):
+        # imported here, not at module level: the CUDA tests in this folder run where uvicorn/httpx may be absent
+        import uvicorn
+
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -80,6 +81,8 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, wait_ready: bool = True):
+        import httpx
+
         self.thread.start()
         deadline = time.time() + 60
         while time.time() < deadline:

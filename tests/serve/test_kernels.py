@@ -66,6 +66,34 @@ def test_decode_attention_matches_sdpa(ops, H, KV, D):
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("H,KV,D", [(8, 4, 64), (4, 4, 16), (6, 2, 32), (4, 1, 128)])
+def test_prefill_attention_matches_sdpa(ops, H, KV, D):
+    # three chunks in one call: a first chunk (start 0), a later one over a cached prefix, and one of 1 row; row
+    # counts that are not multiples of the kernel's 8-row blocks; keys ending short of a 32-key block
+    torch.manual_seed(3)
+    B, S = 3, 80
+    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    chunks = [(0, 13, 2, 0), (13, 21, 0, 37), (34, 1, 1, 70)]  # (offset, length, slot, start)
+    T = 35
+    q = torch.randn(T, H + 2 * KV, D)[:, :H]  # a strided view, as the fused qkv output gives it
+    out = torch.full((T + 1, H, D), 7.0)[:T]
+    ops.prefill_attention(q, kc, vc, out, [x for c in chunks for x in c], D ** -0.5)
+    for a, n, slot, start in chunks:
+        end = start + n
+        mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
+        ref = F.scaled_dot_product_attention(q[a:a + n].transpose(0, 1)[None], kc[slot:slot + 1, :, :end],
+                                             vc[slot:slot + 1, :, :end], attn_mask=mask, scale=D ** -0.5,
+                                             enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[a:a + n], ref, atol=1e-5, rtol=1e-5)
+    assert ops.prefill_attention_fits(64, 1024) and not ops.prefill_attention_fits(64, 1025)
+    assert not ops.prefill_attention_fits(24, 10) and not ops.prefill_attention_fits(96, 10)  # aten's flash then
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.prefill_attention(q, kc, vc, out, [30, 10, 0, 0], 1.0)  # rows past T
+    k24 = torch.zeros(1, 1, 8, 24)
+    with pytest.raises(RuntimeError, match="not supported"):
+        ops.prefill_attention(torch.zeros(5, 1, 24), k24, k24, torch.zeros(5, 1, 24), [0, 5, 0, 0], 1.0)
+
+
 def test_kernels_refuse_bad_input(ops):
     kc = torch.zeros(2, 1, 8, 4)
     q = torch.zeros(1, 1, 4)

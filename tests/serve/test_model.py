@@ -104,3 +104,22 @@ def test_hooks_on_embedding_and_lm_head_still_run():
     assert seen == [("embed", (1, 3)), ("lm_head", (1, 300))]
     plain = SlotModel(_model("default"), 2, 64)
     assert plain._lm_head == plain.lm_head.forward and plain._embed == plain.inner.embed_tokens.forward
+
+
+def test_last_layer_runs_only_the_rows_whose_logits_are_returned():
+    # every layer but the last sees all 15 tokens; the last one's MLP only the 2 segments' last tokens (the
+    # K/V of every token is cached before that), and 1 row when no logits are wanted (an earlier prompt chunk)
+    model = _model("default")
+    rows = []
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[-2]))
+    sm = SlotModel(model, 2, 64)
+    ids = torch.randint(3, 300, (15,))
+    out = sm.forward(ids, [Segment(0, 0, 10), Segment(1, 0, 5)])
+    assert rows == [15, 2] and out.shape == (2, 300)
+    rows.clear()
+    assert sm.forward(ids[:8], [Segment(0, 0, 8, want_logits=False)]).shape == (0, 300)
+    assert rows == [8, 1]
+    with torch.no_grad():  # and the logits are still the full model's
+        ref = model(ids[None, :10]).logits[0, -1]
+    torch.testing.assert_close(out[0], ref, atol=1e-4, rtol=1e-4)

@@ -41,3 +41,14 @@ def test_shipped_model_loads_with_plain_transformers_and_knows_shakespeare(capsy
     assert generate_main(["--model", str(SHIPPED), "--prompt", "ROMEO. ", "--max-new-tokens", "20"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ROMEO. ") and len(out) > len("ROMEO. ") + 10
+
+
+def test_load_pretrained_never_swaps_in_hub_kernels():
+    # transformers turns hub kernels on by default where its `kernels` package is installed (a dependency of
+    # transformers >= 5.2x); they are code fetched from the Hub at load, on GPU, which memfit never does
+    from training.model import load_pretrained
+
+    model = load_pretrained("models/shakespeare-llama")
+    assert model.use_kernels is False
+    model.train()  # train mode re-kernelizes a model that uses kernels
+    assert model.use_kernels is False and model.kernels_mode is None

@@ -1,0 +1,289 @@
+// Attention over the slot KV caches: decode (one query token per sequence) and prefill chunks (a run of
+// consecutive positions of one sequence, causal over its cached prefix and itself).
+#include <torch/extension.h>
+
+#include "common.h"
+
+namespace memfit {
+
+namespace {
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// softmax in place over p[0, L): the max, then exp and the sum 16 at a time (the tail in a padded vector)
+inline void softmax_row(float* p, int64_t L) {
+  float m = p[0];
+  for (int64_t l = 1; l < L; ++l) m = std::max(m, p[l]);
+  v16 vs = {};
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16) {
+    const v16 e = vexp(*reinterpret_cast<const v16u*>(p + l) - m);
+    *reinterpret_cast<v16u*>(p + l) = e;
+    vs += e;
+  }
+  float sum = hsum(vs);
+  if (l < L) {
+    v16 t;
+    for (int i = 0; i < 16; ++i) t[i] = l + i < L ? p[l + i] - m : -100.f;
+    t = vexp(t);
+    for (int64_t i = 0; l + i < L; ++i) {
+      p[l + i] = t[i];
+      sum += t[i];
+    }
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < L; ++i) p[i] *= inv;
+}
+
+// one (sequence, KV head) work item with D a multiple of 16: the G query rows' 16-float slices and output
+// accumulators stay in vectors, each key / value row is loaded once for all G, and exp runs 16 lanes at a time
+// (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions, cold caches:
+// ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory bandwidth)
+void attend_vec(const float* const* qs, const float* K, const float* V, int64_t L, int64_t G, int64_t D,
+                float sc, float* const* outs, std::vector<float>& p, std::vector<v16>& acc) {
+  const int64_t nd = D / 16;
+  p.resize(G * L);
+  acc.assign(G * nd, v16{});
+  for (int64_t l = 0; l < L; ++l) {
+    const v16u* kr = reinterpret_cast<const v16u*>(K + l * D);
+    for (int64_t j = 0; j < G; ++j) {
+      const v16u* qr = reinterpret_cast<const v16u*>(qs[j]);
+      v16 a = qr[0] * kr[0];
+      for (int64_t d = 1; d < nd; ++d) a += qr[d] * kr[d];
+      p[j * L + l] = hsum(a) * sc;
+    }
+  }
+  for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
+  for (int64_t l = 0; l < L; ++l) {
+    const v16u* vr = reinterpret_cast<const v16u*>(V + l * D);
+    for (int64_t j = 0; j < G; ++j) {
+      const float pl = p[j * L + l];
+      v16* o = acc.data() + j * nd;
+      for (int64_t d = 0; d < nd; ++d) o[d] += pl * vr[d];
+    }
+  }
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t d = 0; d < nd; ++d) *reinterpret_cast<v16u*>(outs[j] + d * 16) = acc[j * nd + d];
+}
+
+// the same for any D, one element at a time
+void attend_scalar(const float* const* qs, const float* K, const float* V, int64_t L, int64_t G, int64_t D,
+                   float sc, float* const* outs, std::vector<float>& p) {
+  p.resize(G * L);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t j = 0; j < G; ++j) {
+      float a = 0.f;
+      for (int64_t d = 0; d < D; ++d) a += qs[j][d] * K[l * D + d];
+      p[j * L + l] = a * sc;
+    }
+  for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
+  for (int64_t j = 0; j < G; ++j) {
+    std::fill_n(outs[j], D, 0.f);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t d = 0; d < D; ++d) outs[j][d] += p[j * L + l] * V[l * D + d];
+  }
+}
+
+}  // namespace
+
+// One query token per sequence: out[i, h] = softmax(q[i, h] . K[slot_i, h / G, :len_i] * scale) V[...].
+// q [n, H, D] (last dim contiguous), caches [B, KV, S, D]; G = H / KV query heads share a KV head, so each
+// key and value row is loaded once for the G of them.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
+                            const at::Tensor& lens, double scale) {
+  check_f32_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, H, D] with a contiguous last dim");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
+  check_caches(kc, vc, D);
+  TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
+  const int64_t G = H / KV;
+  auto sl = checked_indices(slots, n, 0, B, "slot");
+  auto ln = checked_indices(lens, n, 1, S + 1, "length");
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  const int64_t* lnp = ln.data_ptr<int64_t>();
+  auto out = at::empty({n, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n * KV, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> p;
+    std::vector<v16> acc;
+    std::vector<const float*> qs(G);
+    std::vector<float*> outs(G);
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / KV, g = w % KV;
+      const float* K = kp + ((slp[i] * KV + g) * S) * D;
+      const float* V = vp + ((slp[i] * KV + g) * S) * D;
+      for (int64_t j = 0; j < G; ++j) {
+        qs[j] = qp + i * sq0 + (g * G + j) * sq1;
+        outs[j] = op + (i * H + g * G + j) * D;
+      }
+      if (D % 16 == 0)
+        attend_vec(qs.data(), K, V, lnp[i], G, D, sc, outs.data(), p, acc);
+      else
+        attend_scalar(qs.data(), K, V, lnp[i], G, D, sc, outs.data(), p);
+    }
+  });
+  return out;
+}
+
+// ---- prefill chunks --------------------------------------------------------------------------------------------
+// Why our own: a serving step's prompt chunks are short (the benchmark's are 64 tokens, 4 per step), and aten's
+// CPU flash kernel spends most of such a call on setup, not arithmetic (hot, 2 threads, 8 query / 4 KV heads,
+// D 64: ~110 us a 64-token chunk, i.e. ~20 GFLOP/s). Here every (chunk, KV head, block of kRows positions) is
+// one work item over all the step's chunks: the scores of the block's G * kRows query vectors against 16 keys at
+// a time (the key block transposed once, then broadcast-FMAs, no horizontal sums), a softmax per row over its
+// causal length, then the value rows weighted into accumulators held in registers. The scores are materialized
+// (kRows * G * end floats per thread), hence the key bound; longer contexts take aten's flash kernel.
+namespace {
+
+constexpr int64_t kRows = 8;
+constexpr int64_t kMaxKeys = 1024;  // past ~1k keys aten's flash kernel was as fast (2 threads, D 64)
+
+// dst[i][lb, lb + 32) = sc * (q_i . K[l]) for Q query vectors and 32 keys, given as two blocks of 16 transposed
+// ([D][16] each): per d, two key vectors loaded and each q_i[d] broadcast for two FMAs (a 2 x Q register tile)
+template <int Q>
+inline void score_block(const float* const* qs, const float* KT, int64_t D, float sc, float* const* dst,
+                        int64_t lb) {
+  v16 acc0[Q] = {}, acc1[Q] = {};
+  const float* KT1 = KT + 16 * D;
+  for (int64_t d = 0; d < D; ++d) {
+    const v16 k0 = *reinterpret_cast<const v16u*>(KT + d * 16);
+    const v16 k1 = *reinterpret_cast<const v16u*>(KT1 + d * 16);
+    for (int i = 0; i < Q; ++i) {
+      const float x = qs[i][d];
+      acc0[i] += x * k0;
+      acc1[i] += x * k1;
+    }
+  }
+  for (int i = 0; i < Q; ++i) {
+    *reinterpret_cast<v16u*>(dst[i] + lb) = acc0[i] * sc;
+    *reinterpret_cast<v16u*>(dst[i] + lb + 16) = acc1[i] * sc;
+  }
+}
+
+// outs[j] = sum_l ps[j][l] * V[l] for nq (a multiple of 16 / ND) probability rows; D = 16 * ND
+template <int ND>
+void weigh_values(const float* const* ps, int64_t nq, const float* V, int64_t L, float* const* outs) {
+  constexpr int Q = 16 / ND;
+  for (int64_t j0 = 0; j0 < nq; j0 += Q) {
+    v16 acc[Q][ND] = {};
+    for (int64_t l = 0; l < L; ++l) {
+      const v16u* vr = reinterpret_cast<const v16u*>(V + l * ND * 16);
+      for (int i = 0; i < Q; ++i) {
+        const float p = ps[j0 + i][l];
+        for (int d = 0; d < ND; ++d) acc[i][d] += p * vr[d];
+      }
+    }
+    for (int i = 0; i < Q; ++i)
+      for (int d = 0; d < ND; ++d) *reinterpret_cast<v16u*>(outs[j0 + i] + d * 16) = acc[i][d];
+  }
+}
+
+void weigh_values_any(const float* const* ps, int64_t nq, const float* V, int64_t L, int64_t D, float* const* outs) {
+  switch (D / 16) {
+    case 1: return weigh_values<1>(ps, nq, V, L, outs);
+    case 2: return weigh_values<2>(ps, nq, V, L, outs);
+    case 4: return weigh_values<4>(ps, nq, V, L, outs);
+    case 8: return weigh_values<8>(ps, nq, V, L, outs);
+    case 16: return weigh_values<16>(ps, nq, V, L, outs);
+  }
+  TORCH_CHECK(false, "prefill_attention: unsupported head_dim ", D);
+}
+
+}  // namespace
+
+bool prefill_attention_fits(int64_t head_dim, int64_t end) {
+  const int64_t nd = head_dim / 16;
+  return head_dim % 16 == 0 && (nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16) && end <= kMaxKeys;
+}
+
+// out[a + r, h] = softmax(q[a + r, h] . K[slot, h / G, :start + r + 1] * scale) V[...] for each chunk
+// (a, n, slot, start) of segs and r < n; the chunk's keys and values are in the caches already (rope_store).
+// q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk are left as they are.
+void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
+                       const std::vector<int64_t>& segs, double scale) {
+  check_f32_cpu(q, "q");
+  check_f32_cpu(out, "out");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
+  TORCH_CHECK(segs.size() % 4 == 0, "segs: (offset, length, slot, start) per chunk");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
+  check_caches(kc, vc, D);
+  TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
+  const int64_t G = H / KV;
+  std::vector<std::array<int64_t, 3>> items;  // (chunk, KV head, first row)
+  std::vector<int64_t> kt_at;  // per (chunk, KV head): where its transposed keys start in kt
+  int64_t kt_size = 0;
+  for (size_t c = 0; c < segs.size(); c += 4) {
+    const int64_t a = segs[c], n = segs[c + 1], slot = segs[c + 2], start = segs[c + 3];
+    TORCH_CHECK(a >= 0 && n > 0 && a + n <= T && slot >= 0 && slot < B && start >= 0 && start + n <= S,
+                "prefill_attention: chunk out of range");
+    TORCH_CHECK(prefill_attention_fits(D, start + n), "prefill_attention: head_dim or length not supported");
+    for (int64_t g = 0; g < KV; ++g) {
+      kt_at.push_back(kt_size);
+      kt_size += (start + n + 31) / 32 * 32 * D;
+      for (int64_t r = 0; r < n; r += kRows) items.push_back({static_cast<int64_t>(c), g, r});
+    }
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
+  const float sc = static_cast<float>(scale);
+  // each chunk's keys [0, end) per KV head, transposed once in blocks of 16 ([end / 16][D][16], zeros past end
+  // up to a multiple of 32)
+  // for all of its row blocks (transposing per work item cost as much as the score FMAs at long prefixes)
+  std::vector<float> kt(kt_size);
+  at::parallel_for(0, static_cast<int64_t>(kt_at.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c = p / KV * 4, g = p % KV, L = segs[c + 3] + segs[c + 1];
+      const float* K = kp + ((segs[c + 2] * KV + g) * S) * D;
+      float* dst = kt.data() + kt_at[p];
+      for (int64_t lb = 0; lb < (L + 31) / 32 * 32; lb += 16, dst += 16 * D)
+        for (int64_t i = 0; i < 16; ++i)
+          for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = lb + i < L ? K[(lb + i) * D + d] : 0.f;
+    }
+  });
+  const int64_t nq_max = (kRows * G + 15) / 16 * 16;  // query vectors of an item, padded for the 4- and 16-wide loops
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> P, zero_q(D, 0.f), sink(D);
+    std::vector<const float*> qs(nq_max);
+    std::vector<float*> rows(nq_max), outs(nq_max);
+    std::vector<int64_t> lens(nq_max);
+    for (int64_t w = w0; w < w1; ++w) {
+      const auto [c, g, r0] = items[w];
+      const int64_t a = segs[c], n = segs[c + 1], slot = segs[c + 2], start = segs[c + 3];
+      const int64_t r1 = std::min(n, r0 + kRows), L = start + r1, Lpad = (L + 31) / 32 * 32;
+      const int64_t nq = (r1 - r0) * G, nq_pad = (nq + 15) / 16 * 16;
+      const float* KT = kt.data() + kt_at[c / 4 * KV + g];
+      const float* V = vp + ((slot * KV + g) * S) * D;
+      P.assign(nq_pad * Lpad, 0.f);
+      for (int64_t j = 0; j < nq_pad; ++j) {
+        const bool real = j < nq;
+        const int64_t r = r0 + j / G, h = g * G + j % G;
+        qs[j] = real ? qp + (a + r) * sq0 + h * sq1 : zero_q.data();
+        outs[j] = real ? op + ((a + r) * H + h) * D : sink.data();
+        rows[j] = P.data() + j * Lpad;
+        lens[j] = real ? start + r + 1 : 0;
+      }
+      for (int64_t lb = 0; lb < L; lb += 32)  // this item's keys [0, L) are the first ones of its chunk's
+        for (int64_t j = 0; j < nq_pad; j += 8) score_block<8>(qs.data() + j, KT + lb * D, D, sc, rows.data() + j, lb);
+      for (int64_t j = 0; j < nq_pad; ++j) {  // causal: row r sees keys [0, start + r]; exact zeros past that
+        if (lens[j] > 0) softmax_row(rows[j], lens[j]);
+        std::fill(rows[j] + lens[j], rows[j] + Lpad, 0.f);
+      }
+      weigh_values_any(rows.data(), nq_pad, V, L, D, outs.data());
+    }
+  });
+}
+
+}  // namespace memfit
