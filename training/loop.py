@@ -162,6 +162,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
                 "config": dataclasses.asdict(cfg)}
 
     report = MemoryReport() if memory_report else None
+    if report is not None and acc.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(acc.device)  # the peak is process-wide: this run's, not an earlier one's
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not acc.is_main_process, dynamic_ncols=True)
     last: dict[str, Any] = {}
     t0, tokens_at_t0 = time.perf_counter(), tokens_seen
