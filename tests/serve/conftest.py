@@ -135,3 +135,15 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+def slot_greedy(sm, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens from a SlotModel (serve.model) for one prompt in slot 0: one prefill, then decodes."""
+    from serve.model import Segment
+
+    lg = sm.forward(torch.tensor(prompt), [Segment(0, 0, len(prompt))])
+    out = [int(lg[0].argmax())]
+    for i in range(n - 1):
+        lg = sm.forward(torch.tensor([out[-1]]), [Segment(0, len(prompt) + i, 1)])
+        out.append(int(lg[0].argmax()))
+    return out

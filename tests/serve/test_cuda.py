@@ -22,6 +22,7 @@ from serve.placement import Placement, compute_plan, measured_resident, meta_mod
 from serve.sampling import SamplingParams
 
 from .conftest import make_model_dir
+from .conftest import slot_greedy as greedy
 
 DEVICE = torch.device(os.environ.get("MEMFIT_TEST_DEVICE") or "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
@@ -194,15 +195,6 @@ def test_engine_bf16_tokens_are_greedy_under_hf_bf16(model_dir):
 def deep_dir(tmp_path_factory) -> str:
     """4 decoder layers, so maps can split them (as tests/serve/test_placement.py)."""
     return str(make_model_dir(tmp_path_factory.mktemp("tiny-llama-4l-cuda"), seed=3, layers=4, hidden=64))
-
-
-def greedy(sm: SlotModel, prompt: list[int], n: int) -> list[int]:
-    lg = sm.forward(torch.tensor(prompt), [Segment(0, 0, len(prompt))])
-    out = [int(lg[0].argmax())]
-    for i in range(n - 1):
-        lg = sm.forward(torch.tensor([out[-1]]), [Segment(0, len(prompt) + i, 1)])
-        out.append(int(lg[0].argmax()))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ import torch
 
 from serve.demo import _wait_healthy
 from serve.loader import load
-from serve.model import Segment, SlotModel
+from serve.model import SlotModel
 from serve.placement import Placement, compute_plan, measured_resident, meta_model, parse_max_memory
 from tests.serve.conftest import make_model_dir
+from tests.serve.conftest import slot_greedy as greedy
 from training.errors import UserError
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -29,15 +30,6 @@ PROMPT = [5, 17, 42, 99, 3, 250, 77, 12, 8, 160, 33]
 def deep_dir(tmp_path_factory):
     """4 decoder layers, so maps can split them; 4 heads / 2 KV heads, so 2-way tensor parallel divides."""
     return str(make_model_dir(tmp_path_factory.mktemp("tiny-llama-4l"), seed=3, layers=4, hidden=64))
-
-
-def greedy(sm: SlotModel, prompt: list[int], n: int) -> list[int]:
-    lg = sm.forward(torch.tensor(prompt), [Segment(0, 0, len(prompt))])
-    out = [int(lg[0].argmax())]
-    for i in range(n - 1):
-        lg = sm.forward(torch.tensor([out[-1]]), [Segment(0, len(prompt) + i, 1)])
-        out.append(int(lg[0].argmax()))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -50,3 +50,14 @@ def make_cfg(tmp_path: Path, corpus: Path):
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_lora_outputs(out_dir: Path, before: dict[str, torch.Tensor]) -> None:
+    """A LoRA run's output: the adapter alone in last/, and a merged model in which only q/k/v/o changed."""
+    from transformers import AutoModelForCausalLM
+
+    adapter = out_dir / "last"
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
+    after = AutoModelForCausalLM.from_pretrained(out_dir / "merged").state_dict()
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in changed)

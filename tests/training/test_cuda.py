@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from training import precision as amp
 from training.loop import token_loss_sum, train
 
-from .conftest import TINY_MODEL, read_metrics
+from .conftest import TINY_MODEL, assert_lora_outputs, read_metrics
 
 DEVICE = torch.device(os.environ.get("MEMFIT_TEST_DEVICE") or "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")
@@ -196,12 +196,7 @@ def test_lora_with_bf16_and_checkpointing_on_device(make_cfg, tmp_path):
     # only the adapters train: r=8 A and B for q/k/v/o of 2 layers, fp32 (64x8 + 8x{64,32,32,64}), grads too
     lora_bytes = 2 * 4 * (4 * 64 * 8 + 8 * (64 + 32 + 32 + 64))
     assert rep["gradients"] == lora_bytes and rep["optimizer_state"] >= 2 * lora_bytes, rep
-    adapter = tmp_path / "lora" / "last"
-    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "merged")
-    after = merged.state_dict()
-    changed = {n for n in before if not torch.equal(before[n], after[n])}
-    assert changed and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in changed)
+    assert_lora_outputs(tmp_path / "lora", before)
 
 
 @cuda_only

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from training.loop import train
 from training.memory import ActivationMeter
 
-from .conftest import TINY_MODEL, read_metrics
+from .conftest import TINY_MODEL, assert_lora_outputs, read_metrics
 
 
 def test_losses_are_deterministic_and_learn(make_cfg):
@@ -95,12 +95,7 @@ def test_lora_trains_only_adapters_and_writes_merged_model(make_cfg, tmp_path):
                     output_dir=str(tmp_path / "lora"))
     result = train(lcfg)
     assert math.isfinite(result["loss"])
-    adapter = tmp_path / "lora" / "last"
-    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "merged")
-    after = merged.state_dict()
-    changed = {n for n in before if not torch.equal(before[n], after[n])}
-    assert changed and all(any(t in n for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in changed)
+    assert_lora_outputs(tmp_path / "lora", before)
 
 
 def test_adamw8bit_saves_and_resumes(make_cfg):
