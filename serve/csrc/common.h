@@ -76,7 +76,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul, const c10::optional<at::Tensor>& scale);
+                         bool silu_mul, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& residual);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
                        int64_t group_size, int64_t block, bool silu_mul);
 

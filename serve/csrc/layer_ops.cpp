@@ -88,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &memfit::pack_panels, "an fp32 Linear weight [N, K] in linear_panels' layout [N / 16, K, 16]");
   m.def("linear_panels", &memfit::linear_panels, "x @ W^T (+ bias) on a pack_panels weight (fp32)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false,
-        py::arg("scale") = py::none());
+        py::arg("scale") = py::none(), py::arg("residual") = py::none());
   m.def("rms_norm", &memfit::rms_norm, "fused RMSNorm over the last dim (fp32)");
   m.def("rope_store", &memfit::rope_store, "in-place RoPE on q/k heads, then k/v into the slot caches (fp32)");
   m.def("int4_linear", &memfit::int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)",

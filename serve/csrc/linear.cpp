@@ -37,7 +37,7 @@ inline v16 load16(const int8_t* p) {
 // W = int8_t: y = (x @ Wq^T) * scale (per output) + bias.
 template <int MR, int NP, bool SILU = false, typename W = float>
 inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_t ldy, const float* bias,
-                         const float* scale) {
+                         const float* scale, const float* res) {
   v16 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NP; ++j) acc[m][j] = v16{};
@@ -65,6 +65,9 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
         const v16 g = acc[m][j];
         *reinterpret_cast<v16u*>(y + m * ldy + j * 8) = g / (1.f + vexp(-g)) * acc[m][j + 1];
       }
+    } else if (res) {  // y = (x @ W^T + bias) + residual, rounded as the unfused add
+      for (int j = 0; j < NP; ++j)
+        *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = acc[m][j] + *reinterpret_cast<const v16u*>(res + m * ldy + j * 16);
     } else {
       for (int j = 0; j < NP; ++j) *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = acc[m][j];
     }
@@ -74,36 +77,37 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
 // ldy: y's row stride (N, or N / 2 with SILU)
 template <int NP, bool SILU = false, typename W = float>
 void panel_rows(const float* x, int64_t M, int64_t K, const W* P, float* y, int64_t ldy, int64_t p,
-                const float* bias, const float* scale) {
+                const float* bias, const float* scale, const float* res) {
   const W* pp = P + p * K * 16;
   const float* bp = bias ? bias + p * 16 : nullptr;
   const float* sp = scale ? scale + p * 16 : nullptr;
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const float* xr = x + m0 * K;
     float* yr = y + m0 * ldy + p * (SILU ? 8 : 16);
+    const float* rr = res ? res + m0 * ldy + p * 16 : nullptr;  // the residual has y's layout (not with SILU)
     switch (std::min<int64_t>(8, M - m0)) {
-      case 1: panel_kernel<1, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      case 2: panel_kernel<2, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      case 3: panel_kernel<3, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      case 4: panel_kernel<4, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      case 5: panel_kernel<5, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      case 6: panel_kernel<6, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      case 7: panel_kernel<7, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
-      default: panel_kernel<8, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp); break;
+      case 1: panel_kernel<1, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 2: panel_kernel<2, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 3: panel_kernel<3, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 4: panel_kernel<4, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 5: panel_kernel<5, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 6: panel_kernel<6, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 7: panel_kernel<7, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      default: panel_kernel<8, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
     }
   }
 }
 
 template <typename W>
 void run_panels(const float* xp, int64_t M, int64_t K, const W* pp, float* yp, int64_t NPAN, const float* bp,
-                const float* sp, bool silu_mul) {
+                const float* sp, bool silu_mul, const float* rp) {
   const int64_t N = NPAN * 16;
   if (silu_mul) {  // whole pairs per thread and per kernel call
     at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
       int64_t q = q0;
       if (M <= 2)
-        for (; q + 2 <= q1; q += 2) panel_rows<4, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp);
-      for (; q < q1; ++q) panel_rows<2, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp);
+        for (; q + 2 <= q1; q += 2) panel_rows<4, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
+      for (; q < q1; ++q) panel_rows<2, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
     });
     return;
   }
@@ -113,19 +117,22 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* pp, float* yp, i
   at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
     for (; p + np <= p1; p += np) {
-      if (np == 4) panel_rows<4, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
-      else if (np == 3) panel_rows<3, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
-      else panel_rows<2, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
+      if (np == 4) panel_rows<4, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
+      else if (np == 3) panel_rows<3, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
+      else panel_rows<2, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
     }
-    for (; p < p1; ++p) panel_rows<1, false, W>(xp, M, K, pp, yp, N, p, bp, sp);
+    for (; p < p1; ++p) panel_rows<1, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
   });
 }
 
 // y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with silu_mul, W's panels are (gate, up)
 // pairs and y = silu(gate) * up has half the columns (the MLP's activation fused into its gate/up projection).
-// An int8 W needs ``scale`` (one per output): W = Wq * scale.
+// An int8 W needs ``scale`` (one per output): W = Wq * scale. With ``residual`` (y's shape), y = residual +
+// (x @ W^T + bias) in the store, bit-equal to the separate add: the decoder layers' two residual adds, which
+// in a 256-row prefill step each re-read two [rows, hidden] tensors long out of L2 (py-spy: ~4% of the step).
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul, const c10::optional<at::Tensor>& scale) {
+                         bool silu_mul, const c10::optional<at::Tensor>& scale,
+                         const c10::optional<at::Tensor>& residual) {
   check_f32_cpu(x_in, "x");
   const bool int8 = P.scalar_type() == at::kChar;
   TORCH_CHECK(P.device().is_cpu() && (int8 || P.scalar_type() == at::kFloat), "packed weight must be fp32 or int8");
@@ -151,14 +158,21 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
   auto sizes = x.sizes().vec();
   sizes.back() = silu_mul ? N / 2 : N;
   auto y = at::empty(sizes, x.options());
+  at::Tensor r;
+  if (residual.has_value() && residual->defined()) {
+    r = residual->contiguous();
+    check_f32_cpu(r, "residual");
+    TORCH_CHECK(!silu_mul && r.sizes() == y.sizes(), "residual must have the output's shape (not with silu_mul)");
+  }
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (int8)
-    run_panels<int8_t>(xp, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), silu_mul);
+    run_panels<int8_t>(xp, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), silu_mul, rp);
   else
-    run_panels<float>(xp, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, silu_mul);
+    run_panels<float>(xp, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, silu_mul, rp);
   return y;
 }
 

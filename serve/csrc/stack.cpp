@@ -13,14 +13,16 @@ namespace {
 
 c10::optional<at::Tensor> opt(const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; }
 
-at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x) {
+// with `residual` defined: residual + the Linear's output (in the panel kernel's store, else one add)
+at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor& residual = at::Tensor()) {
   switch (l.kind) {
     case kPanel:
     case kPanelSiluPairs:
-      return linear_panels(x, l.a, opt(l.b), l.kind == kPanelSiluPairs, opt(l.c));
+      return linear_panels(x, l.a, opt(l.b), l.kind == kPanelSiluPairs, opt(l.c), opt(residual));
     case kInt4: {
       auto y = int4_linear(x, l.a, l.b, l.group, l.block, false);
-      return l.c.defined() ? y.add_(l.c) : y;
+      if (l.c.defined()) y.add_(l.c);
+      return residual.defined() ? y.add_(residual) : y;
     }
     case kInt4GateUp:  // [gate | up] in one int4 call, silu(gate) * up out
       return int4_linear(x, l.a, l.b, l.group, l.block, true);
@@ -110,9 +112,9 @@ at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Te
       out = out.index_select(0, keep);
       h = h.index_select(0, keep);
     }
-    h = h + run_linear(lin[1], out);
+    h = run_linear(lin[1], out, h);  // h + o_proj(out)
     x = rms_norm(h, norm_post_[li], eps_);
-    h = h + run_linear(lin[3], run_linear(lin[2], x));
+    h = run_linear(lin[3], run_linear(lin[2], x), h);  // h + down(silu(gate) * up)
   }
   return h;
 }

@@ -137,6 +137,25 @@ def test_linear_panels_matches_f_linear(ops, n, k):
         ops.pack_panels(torch.randn(20, k))
 
 
+def test_linear_panels_residual_is_the_separate_add_to_the_bit(ops):
+    # the decoder layers' residual adds in the GEMM's store: bit-equal to residual + y, for every row tile
+    torch.manual_seed(4)
+    w, b = torch.randn(48, 100), torch.randn(48)
+    packed = ops.pack_panels(w)
+    for rows in (1, 2, 3, 5, 8, 9, 17):
+        x, r = torch.randn(rows, 100), torch.randn(rows, 48)
+        assert torch.equal(ops.linear_panels(x, packed, b, residual=r), r + ops.linear_panels(x, packed, b))
+        q = torch.randint(-127, 128, (48, 100), dtype=torch.int8)
+        s = torch.rand(48) / 100
+        qp = ops.pack_panels(q)
+        assert torch.equal(ops.linear_panels(x, qp, scale=s, residual=r), r + ops.linear_panels(x, qp, scale=s))
+    with pytest.raises(RuntimeError, match="residual must have"):
+        ops.linear_panels(torch.randn(3, 100), packed, residual=torch.randn(3, 47))
+    with pytest.raises(RuntimeError, match="residual must have"):
+        ops.linear_panels(torch.randn(3, 100), ops.pack_panels(torch.randn(64, 100)), None, True,
+                          residual=torch.randn(3, 32))
+
+
 def test_int4_linear_refuses_bad_shapes(ops):
     packed = torch.zeros(64, 64, dtype=torch.uint8)
     sz = torch.zeros(1, 64, 2, dtype=torch.bfloat16)
