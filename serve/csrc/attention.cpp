@@ -138,10 +138,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
 // Why our own: a serving step's prompt chunks are short (the benchmark's are 64 tokens, 4 per step), and aten's
 // CPU flash kernel spends most of such a call on setup, not arithmetic (hot, 2 threads, 8 query / 4 KV heads,
 // D 64: ~110 us a 64-token chunk, i.e. ~20 GFLOP/s). Here every (chunk, KV head, block of kRows positions) is
-// one work item over all the step's chunks: the scores of the block's G * kRows query vectors against 16 keys at
-// a time (the key block transposed once, then broadcast-FMAs, no horizontal sums), a softmax per row over its
-// causal length, then the value rows weighted into accumulators held in registers. The scores are materialized
-// (kRows * G * end floats per thread), hence the key bound; longer contexts take aten's flash kernel.
+// one work item over all the step's chunks: the scores of the block's G * kRows query vectors against 32 keys at
+// a time (each chunk's keys transposed once for all its blocks, then broadcast-FMAs, no horizontal sums), an
+// exact softmax per row over its causal length, then the value rows weighted into accumulators held in
+// registers. The scores are materialized (kRows * G * end floats per thread) and the transposed keys take
+// KV * end * D floats per chunk, hence the key bound; longer contexts take aten's flash kernel.
 namespace {
 
 constexpr int64_t kRows = 8;
@@ -239,9 +240,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
   float* op = out.data_ptr<float>();
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
   const float sc = static_cast<float>(scale);
-  // each chunk's keys [0, end) per KV head, transposed once in blocks of 16 ([end / 16][D][16], zeros past end
-  // up to a multiple of 32)
-  // for all of its row blocks (transposing per work item cost as much as the score FMAs at long prefixes)
+  // each chunk's keys [0, end) per KV head, transposed once for all of its row blocks, in blocks of 16 keys
+  // ([end / 16][D][16], zeros past end up to a multiple of 32): transposing per work item instead cost as much as
+  // the score FMAs at long prefixes
   std::vector<float> kt(kt_size);
   at::parallel_for(0, static_cast<int64_t>(kt_at.size()), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -253,7 +254,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
           for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = lb + i < L ? K[(lb + i) * D + d] : 0.f;
     }
   });
-  const int64_t nq_max = (kRows * G + 15) / 16 * 16;  // query vectors of an item, padded for the 4- and 16-wide loops
+  // query vectors of an item, padded to a multiple of 16 for the 8-query score tiles and the value loop's 16 / ND
+  const int64_t nq_max = (kRows * G + 15) / 16 * 16;
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> P, zero_q(D, 0.f), sink(D);
     std::vector<const float*> qs(nq_max);
