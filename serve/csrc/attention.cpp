@@ -88,6 +88,31 @@ void attend_scalar(const float* const* qs, const float* K, const float* V, int64
   }
 }
 
+// What the two attention kernels share: the checks on q [rows, H, D] (last dim contiguous, e.g. the query heads of
+// the fused qkv output) and on the slot caches [B, KV, S, D], their sizes, and where a query vector and a (slot,
+// KV head)'s key and value rows start
+struct AttnArgs {
+  int64_t rows, H, D, B, KV, S, G;
+  float sc;
+  const float *qp, *kp, *vp;
+  int64_t sq0, sq1;
+
+  AttnArgs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, double scale) {
+    check_f32_cpu(q, "q");
+    TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, H, D] with a contiguous last dim");
+    rows = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
+    check_caches(kc, vc, D);
+    TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
+    G = H / KV;
+    sc = static_cast<float>(scale);
+    qp = q.data_ptr<float>(), kp = kc.data_ptr<float>(), vp = vc.data_ptr<float>();
+    sq0 = q.stride(0), sq1 = q.stride(1);
+  }
+  const float* query(int64_t row, int64_t head) const { return qp + row * sq0 + head * sq1; }
+  const float* keys(int64_t slot, int64_t g) const { return kp + (slot * KV + g) * S * D; }
+  const float* values(int64_t slot, int64_t g) const { return vp + (slot * KV + g) * S * D; }
+};
+
 }  // namespace
 
 // One query token per sequence: out[i, h] = softmax(q[i, h] . K[slot_i, h / G, :len_i] * scale) V[...].
@@ -95,23 +120,14 @@ void attend_scalar(const float* const* qs, const float* K, const float* V, int64
 // key and value row is loaded once for the G of them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
                             const at::Tensor& lens, double scale) {
-  check_f32_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [n, H, D] with a contiguous last dim");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
-  check_caches(kc, vc, D);
-  TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
-  const int64_t G = H / KV;
-  auto sl = checked_indices(slots, n, 0, B, "slot");
-  auto ln = checked_indices(lens, n, 1, S + 1, "length");
+  const AttnArgs A(q, kc, vc, scale);
+  const int64_t n = A.rows, H = A.H, D = A.D, KV = A.KV, G = A.G;
+  auto sl = checked_indices(slots, n, 0, A.B, "slot");
+  auto ln = checked_indices(lens, n, 1, A.S + 1, "length");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* lnp = ln.data_ptr<int64_t>();
   auto out = at::empty({n, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * KV, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> p;
     std::vector<v16> acc;
@@ -119,16 +135,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
     std::vector<float*> outs(G);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t i = w / KV, g = w % KV;
-      const float* K = kp + ((slp[i] * KV + g) * S) * D;
-      const float* V = vp + ((slp[i] * KV + g) * S) * D;
+      const float* K = A.keys(slp[i], g);
+      const float* V = A.values(slp[i], g);
       for (int64_t j = 0; j < G; ++j) {
-        qs[j] = qp + i * sq0 + (g * G + j) * sq1;
+        qs[j] = A.query(i, g * G + j);
         outs[j] = op + (i * H + g * G + j) * D;
       }
       if (D % 16 == 0)
-        attend_vec(qs.data(), K, V, lnp[i], G, D, sc, outs.data(), p, acc);
+        attend_vec(qs.data(), K, V, lnp[i], G, D, A.sc, outs.data(), p, acc);
       else
-        attend_scalar(qs.data(), K, V, lnp[i], G, D, sc, outs.data(), p);
+        attend_scalar(qs.data(), K, V, lnp[i], G, D, A.sc, outs.data(), p);
     }
   });
   return out;
@@ -211,15 +227,11 @@ bool prefill_attention_fits(int64_t head_dim, int64_t end) {
 // q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk are left as they are.
 void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
                        const std::vector<int64_t>& segs, double scale) {
-  check_f32_cpu(q, "q");
+  const AttnArgs A(q, kc, vc, scale);
   check_f32_cpu(out, "out");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
   TORCH_CHECK(segs.size() % 4 == 0, "segs: (offset, length, slot, start) per chunk");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
-  check_caches(kc, vc, D);
-  TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
-  const int64_t G = H / KV;
+  const int64_t T = A.rows, H = A.H, D = A.D, B = A.B, KV = A.KV, S = A.S, G = A.G;
   std::vector<std::array<int64_t, 3>> items;  // (chunk, KV head, first row)
   std::vector<int64_t> kt_at;  // per (chunk, KV head): where its transposed keys start in kt
   int64_t kt_size = 0;
@@ -234,12 +246,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
       for (int64_t r = 0; r < n; r += kRows) items.push_back({static_cast<int64_t>(c), g, r});
     }
   }
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
-  const float sc = static_cast<float>(scale);
   // each chunk's keys [0, end) per KV head, transposed once for all of its row blocks, in blocks of 16 keys
   // ([end / 16][D][16], zeros past end up to a multiple of 32): transposing per work item instead cost as much as
   // the score FMAs at long prefixes
@@ -247,7 +254,7 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
   at::parallel_for(0, static_cast<int64_t>(kt_at.size()), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c = p / KV * 4, g = p % KV, L = segs[c + 3] + segs[c + 1];
-      const float* K = kp + ((segs[c + 2] * KV + g) * S) * D;
+      const float* K = A.keys(segs[c + 2], g);
       float* dst = kt.data() + kt_at[p];
       for (int64_t lb = 0; lb < (L + 31) / 32 * 32; lb += 16, dst += 16 * D)
         for (int64_t i = 0; i < 16; ++i)
@@ -267,18 +274,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
       const int64_t r1 = std::min(n, r0 + kRows), L = start + r1, Lpad = (L + 31) / 32 * 32;
       const int64_t nq = (r1 - r0) * G, nq_pad = (nq + 15) / 16 * 16;
       const float* KT = kt.data() + kt_at[c / 4 * KV + g];
-      const float* V = vp + ((slot * KV + g) * S) * D;
+      const float* V = A.values(slot, g);
       P.assign(nq_pad * Lpad, 0.f);
       for (int64_t j = 0; j < nq_pad; ++j) {
         const bool real = j < nq;
         const int64_t r = r0 + j / G, h = g * G + j % G;
-        qs[j] = real ? qp + (a + r) * sq0 + h * sq1 : zero_q.data();
+        qs[j] = real ? A.query(a + r, h) : zero_q.data();
         outs[j] = real ? op + ((a + r) * H + h) * D : sink.data();
         rows[j] = P.data() + j * Lpad;
         lens[j] = real ? start + r + 1 : 0;
       }
       for (int64_t lb = 0; lb < L; lb += 32)  // this item's keys [0, L) are the first ones of its chunk's
-        for (int64_t j = 0; j < nq_pad; j += 8) score_block<8>(qs.data() + j, KT + lb * D, D, sc, rows.data() + j, lb);
+        for (int64_t j = 0; j < nq_pad; j += 8) score_block<8>(qs.data() + j, KT + lb * D, D, A.sc, rows.data() + j, lb);
       for (int64_t j = 0; j < nq_pad; ++j) {  // causal: row r sees keys [0, start + r]; exact zeros past that
         if (lens[j] > 0) softmax_row(rows[j], lens[j]);
         std::fill(rows[j] + lens[j], rows[j] + Lpad, 0.f);
