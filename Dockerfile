@@ -21,13 +21,14 @@ WORKDIR /src
 # hadolint ignore=DL3013
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
+COPY memfit ./memfit
 COPY training ./training
 COPY compress ./compress
 COPY serve ./serve
 RUN pip install .
 
 FROM ${BASE_IMAGE} AS runtime
-# g++: serve.kernels compiles its CPU kernels (serve/csrc, -march=native) on the machine that runs them, once
+# g++: memfit.runtime.kernels compiles its CPU kernels (memfit/runtime/csrc, -march=native) where they run, once
 # per container into ~/.cache/torch_extensions (~40 s at the first start); without it serve falls back to
 # torch ops (several times slower per decode step on CPU).
 # hadolint ignore=DL3008

@@ -6,7 +6,7 @@ Configurations (a random ~90M-parameter fp32 Llama saved as safetensors in a tem
                with our next-layer prefetch (`--offload-prefetch`) and without it (accelerate's own hooks)
   budget       `--max-memory cpu=B` with B well under the weights: accelerate + our KV reservation decide
   tp2          `torchrun --nproc-per-node 2 ... --tp 2`: rank 0 drives, rank 1 follows (gloo)
-Each worker loads through serve.loader.load and decodes greedily through serve.model.SlotModel (the engine's
+Each worker loads through serve.loader.load and decodes greedily through memfit.runtime SlotModel (the engine's
 forward) at batch 1, then reports tokens/s (median step) and VmHWM (peak RSS); `base_rss` is the RSS after
 imports and before loading, so `peak - base` is what the model costs.
 
@@ -60,8 +60,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from memfit.runtime.slot_model import Segment, SlotModel
     from serve.loader import load
-    from serve.model import Segment, SlotModel
     from serve.placement import Placement, parse_max_memory
 
     base = _rss("VmRSS")

@@ -30,8 +30,9 @@ from compress.cli import main as compress_main  # noqa: E402
 from compress.evaluate import decode_speed, format_table, kl_against, kl_reference, perplexity  # noqa: E402
 from compress.loader import load  # noqa: E402
 from compress.prune import lowrank_model, prune_model  # noqa: E402
-from compress.store import WeightSource, dir_bytes  # noqa: E402
-from training.model import load_pretrained, load_tokenizer  # noqa: E402
+from compress.store import WeightSource  # noqa: E402
+from memfit.hf import load_pretrained, load_tokenizer  # noqa: E402
+from memfit.modeldir import dir_bytes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

@@ -30,8 +30,9 @@ from compress import calib  # noqa: E402
 from compress.cli import main as compress_main  # noqa: E402
 from compress.evaluate import format_table, kl_against, kl_reference, perplexity  # noqa: E402
 from compress.loader import load  # noqa: E402
-from compress.store import WeightSource, dir_bytes  # noqa: E402
-from training.model import load_tokenizer  # noqa: E402
+from compress.store import WeightSource  # noqa: E402
+from memfit.hf import load_tokenizer  # noqa: E402
+from memfit.modeldir import dir_bytes  # noqa: E402
 
 QUALITY = [  # label, method, bits, extra args
     ("rtn-8", "rtn", 8, []), ("int8-bnb", "int8", 8, []),

@@ -30,7 +30,7 @@ from compress.loader import load  # noqa: E402
 from compress.pipeline import QuantizeOptions, quantize  # noqa: E402
 from compress.quant import QuantArgs  # noqa: E402
 from compress.rtn import rtn  # noqa: E402
-from training.model import load_pretrained, load_tokenizer  # noqa: E402
+from memfit.hf import load_pretrained, load_tokenizer  # noqa: E402
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

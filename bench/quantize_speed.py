@@ -69,7 +69,7 @@ def speed(args: argparse.Namespace, work: Path, quantize: Callable[..., float]) 
     bw = copy_bandwidth()
     paths = (("fp32", fp_dir), ("int4-rtn (ours)", work / "speed-int4-rtn"),
              ("int4-rtn+lm_head (ours)", work / "speed-int4-rtn-lm_head"), ("nf4-bnb", work / "speed-nf4-bnb"))
-    # one copy per engine: serve's engine swaps fp32 Linears for oneDNN ones in place (serve.dense)
+    # one copy per engine: serve's engine swaps fp32 Linears for oneDNN ones in place (memfit.runtime.dense)
     copies = {engine: {label: load(path) for label, path in paths} for engine in ENGINES}
     models = copies["hf"]
     # round-robin, best of --speed-rounds per model, engine and clock: the cores are shared, so a model measured

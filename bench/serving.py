@@ -235,7 +235,7 @@ _MEM_CHILD = r"""
 import json, sys, torch
 torch.set_num_threads(int(sys.argv[4]))
 from serve.loader import load
-from serve.model import SlotModel, Segment
+from memfit.runtime.slot_model import SlotModel, Segment
 L = load(sys.argv[1]); n = int(sys.argv[2]); chunk = int(sys.argv[3])
 sm = SlotModel(L.model, 1, n + 1, dense_kernel="auto", cpu_kernels="auto")  # serve's defaults: what it runs
 sm.forward(torch.zeros(8, dtype=torch.long), [Segment(0, 0, 8)])  # warm up both the first-chunk path and
@@ -409,7 +409,7 @@ def main() -> int:
     if not args.no_variants:  # informational rows; the targets use the default configuration above
         for name, extra in (("memfit --dtype bf16 (not fp32: info only)", ["--dtype", "bf16"]),
                             ("memfit --threads 1", ["--threads", "1"]),
-                            ("memfit --cpu-kernels off (torch ops and oneDNN: the path before serve.kernels)",
+                            ("memfit --cpu-kernels off (torch ops and oneDNN: the path before memfit.runtime.kernels)",
                              ["--cpu-kernels", "off"])):
             servers.append(Server(name, mf + extra + ["--port", str(p := _free_port())], p, str(model_dir)))
     if not args.skip_peer:

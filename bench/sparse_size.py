@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress.prune import prune_model  # noqa: E402
-from compress.store import WeightSource, dir_bytes  # noqa: E402
+from compress.store import WeightSource  # noqa: E402
+from memfit.modeldir import dir_bytes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized
 from compress.rtn import rtn
-from training.errors import UserError
+from memfit.errors import UserError
 
 NEEDS_CALIBRATION = True
 GRID = 20

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from transformers import BitsAndBytesConfig
 
-from compress.store import copy_side_files
-from training.checkpoint import atomic_dir
-from training.errors import UserError
-from training.model import load_pretrained
+from memfit.errors import UserError
+from memfit.hf import load_pretrained, nf4_config
+from memfit.modeldir import atomic_dir, copy_side_files
 
 NEEDS_CALIBRATION = False
 
@@ -29,8 +28,7 @@ def quantize(model_dir: str, out: Path, method: str, bits: int, skip: list[str],
     if method == "int8" and bits != 8:
         raise UserError(f"--method int8 is an 8-bit format, got --bits {bits} (use --method nf4 for 4 bits)")
     if bits == 4:
-        cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                                 llm_int8_skip_modules=skip or None)
+        cfg = nf4_config(torch.float32, skip)
     else:
         cfg = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip or None)
     model = load_pretrained(model_dir, trust_remote_code=trust_remote_code, quantization_config=cfg,

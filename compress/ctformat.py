@@ -18,7 +18,7 @@ import torch
 
 from compress.packing import pack_int32, packed_cols, unpack_int32
 from compress.quant import QuantArgs, Quantized
-from training.errors import UserError
+from memfit.errors import UserError
 
 FORMAT_VERSION = 1
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.store import WeightSource, dir_bytes, read_config
+from compress.store import WeightSource
+from memfit.modeldir import dir_bytes, read_config
 
 
 @torch.no_grad()
@@ -76,9 +77,9 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
     """Greedy batch-1 decode tokens/s with a KV cache: 1 / median per-token latency after 2 warm-up steps.
 
     engine="hf": the model's own forward with transformers' dynamic cache (what `generate` runs);
-    engine="serve": the serve engine's packed forward over a static slot cache (serve.model.SlotModel, what
+    engine="serve": the serve engine's packed forward over a static slot cache (memfit.runtime SlotModel, what
     `serve` runs: fused QKV / gate-up int4 kernels, oneDNN fp32 Linears where timed faster, no per-step cache
-    reallocation). It replaces the model's fp32 Linears in place (serve.dense): measure "hf" on another copy.
+    reallocation). It replaces the model's fp32 Linears in place (memfit.runtime.dense): measure "hf" on another copy.
     The median (not the mean) because the machine may be shared: a descheduled step says little about the model.
     clock=time.process_time counts this process's CPU time only (with 1 torch thread, time spent descheduled by
     other jobs on a shared machine drops out; memory-bandwidth contention does not).
@@ -106,7 +107,7 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
 
 
 def _slot_decode_speed(model: nn.Module, ids: torch.Tensor, new_tokens: int, clock: Callable[[], float]) -> float:
-    from serve.model import Segment, SlotModel  # serve builds on compress; imported only when asked for
+    from memfit.runtime.slot_model import Segment, SlotModel  # serve builds on compress; imported only when asked for
 
     sm = SlotModel(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2, dense_kernel="auto",
                    cpu_kernels="auto")

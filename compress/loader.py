@@ -9,11 +9,12 @@ from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 
 from compress import ctformat, structured
-from compress.qlinear import QuantLinear
 from compress.skeleton import check_no_meta, fix_meta_buffers, hf_config, meta_model
-from compress.store import WeightSource, read_config
-from training.errors import UserError
-from training.model import load_pretrained
+from compress.store import WeightSource
+from memfit.errors import UserError
+from memfit.hf import load_pretrained
+from memfit.modeldir import read_config
+from memfit.runtime.qlinear import QuantLinear
 
 
 def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,

@@ -16,7 +16,7 @@ import torch
 
 from compress.gptq import Hessian, sequential_groups
 from compress.layerjob import LayerJob
-from training.errors import UserError
+from memfit.errors import UserError
 
 ASVD_ALPHA = 0.5
 

@@ -27,9 +27,9 @@ from compress.calib import calibration_tokens
 from compress.layerjob import Batch, LayerJob
 from compress.quant import QuantArgs, Quantized, resolve_group_size
 from compress.skeleton import decoder_layers, fix_meta_buffers, hf_config, meta_model
-from compress.store import WeightSource, copy_side_files, read_config
-from training.checkpoint import atomic_dir
-from training.errors import UserError
+from compress.store import WeightSource
+from memfit.errors import UserError
+from memfit.modeldir import atomic_dir, copy_side_files, read_config
 
 METHODS: dict[str, ModuleType] = {"rtn": rtn, "gptq": gptq, "awq": awq}
 

@@ -12,7 +12,8 @@ import torch
 
 from compress import calib, lowrank, sparse_store, sparsegpt, wanda
 from compress.structured import LayerWalk, compressed_tensors_config, sparsity_config
-from training.errors import UserError
+from memfit.errors import UserError
+from memfit.modeldir import check_model_dir, check_output_dir
 
 PRUNE_METHODS = {"magnitude": wanda.magnitude_layer, "wanda": wanda.wanda_layer, "sparsegpt": sparsegpt.prune_layer}
 LOWRANK_METHODS = ("svd", "svd-llm", "asvd")
@@ -35,7 +36,7 @@ def resolve_sparsity(sparsity: float | None, pattern: str) -> tuple[float, tuple
 def _calibrate(walk: LayerWalk, method: str, c: dict[str, Any], trust_remote_code: bool) -> None:
     if method not in CALIBRATED:
         return
-    from training.model import load_tokenizer
+    from memfit.hf import load_tokenizer
 
     walk.calibrate(load_tokenizer(walk.model_dir, trust_remote_code), c["files"], c["samples"], c["seqlen"],
                    c["seed"])
@@ -108,15 +109,6 @@ def lowrank_model(model_dir: str, out: Path, method: str, ratio: float, calib_op
 # ---------------------------------------------------------------- CLI
 
 
-def check_output(model: Path, out: Path, overwrite: bool) -> None:
-    if not model.is_dir():
-        raise UserError(f"MODEL: {model} is not a directory")
-    if out.resolve() == model.resolve():
-        raise UserError("--output must differ from MODEL")
-    if out.exists() and not overwrite:
-        raise UserError(f"--output {out} already exists (pass --overwrite to replace it)")
-
-
 def calib_options(method: str, files_arg: list[str] | None, samples: int, seqlen: int, seed: int) -> dict[str, Any]:
     if samples <= 0 or seqlen <= 1:
         raise UserError("--calib-samples must be > 0 and --calib-seqlen > 1")
@@ -168,7 +160,8 @@ def _skip(a) -> list[str]:
 
 
 def cmd_prune(a: argparse.Namespace) -> int:
-    check_output(Path(a.model), Path(a.output), a.overwrite)
+    check_model_dir(a.model)
+    check_output_dir(a.model, a.output, a.overwrite)
     resolve_sparsity(a.sparsity, a.pattern)  # bad numbers before any calibration work
     c = calib_options(a.method, a.calib, a.calib_samples, a.calib_seqlen, a.seed)
     s = prune_model(a.model, Path(a.output), a.method, a.sparsity, a.pattern, c, _skip(a),
@@ -179,7 +172,8 @@ def cmd_prune(a: argparse.Namespace) -> int:
 
 
 def cmd_lowrank(a: argparse.Namespace) -> int:
-    check_output(Path(a.model), Path(a.output), a.overwrite)
+    check_model_dir(a.model)
+    check_output_dir(a.model, a.output, a.overwrite)
     if not 0 < a.ratio <= 1:
         raise UserError(f"--ratio must be in (0, 1] (fraction of the parameters kept), got {a.ratio:g}")
     c = calib_options(a.method, a.calib, a.calib_samples, a.calib_seqlen, a.seed)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 

@@ -19,9 +19,9 @@ from typing import Any
 import yaml
 
 from compress import pipeline, sparsegpt
-from compress.prune import calib_options, check_output, lowrank_model, prune_model
-from training.checkpoint import atomic_dir
-from training.errors import UserError
+from compress.prune import calib_options, lowrank_model, prune_model
+from memfit.errors import UserError
+from memfit.modeldir import atomic_dir, check_model_dir, check_output_dir
 
 TOP_KEYS = {"model", "output", "calib", "calib_samples", "calib_seqlen", "seed", "steps"}
 STEP_KEYS = {"prune": {"method", "sparsity", "pattern", "skip"}, "lowrank": {"method", "ratio", "skip"},
@@ -65,7 +65,7 @@ def _skip(opts: dict) -> list[str]:
 
 def _quantize(model_dir: str, out: Path, opts: dict, r: dict, after_prune: bool) -> dict[str, Any]:
     from compress.cli import CALIBRATED, DEFAULT_METHOD
-    from training.model import load_tokenizer
+    from memfit.hf import load_tokenizer
 
     bits = int(opts.get("bits", 4))
     method = opts.get("method") or DEFAULT_METHOD.get(bits)
@@ -91,7 +91,8 @@ def run_recipe(config: str, model: str | None, output: str | None, overwrite: bo
     if not model or not output:
         raise UserError("pipeline: give the input and output dirs (recipe `model`/`output` or --model/-o)")
     out = Path(output)
-    check_output(Path(model), out, overwrite)
+    check_model_dir(model)
+    check_output_dir(model, out, overwrite)
     work = out.parent / f".{out.name}.steps-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from compress.store import WeightSource
-from training.errors import UserError
+from memfit.errors import UserError
 
 
 def hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:

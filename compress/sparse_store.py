@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 SUFFIXES = ("shape", "compressed", "bitmask", "row_offsets")
 

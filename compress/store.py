@@ -1,28 +1,16 @@
-"""Safe reading and writing of model dirs: safetensors only, errors that name the bad file."""
+"""Lazy, validated tensor access across a model dir's safetensors shards; errors name the bad file."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from training.errors import UserError
-from training.model import check_checkpoint_dir
-
-INDEX = "model.safetensors.index.json"
-COPY_GLOBS = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "*.jinja", "vocab.*",
-              "merges.txt", "added_tokens.json")
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path / 'config.json'}: unreadable config ({e})") from None
+from memfit.errors import UserError
+from memfit.modeldir import INDEX, check_model_dir, weight_files
 
 
 class WeightSource:
@@ -30,7 +18,7 @@ class WeightSource:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        check_checkpoint_dir(str(self.path), allow_pickle=False)
+        check_model_dir(self.path)
         index = self.path / INDEX
         if index.is_file():
             try:
@@ -71,23 +59,3 @@ class WeightSource:
 
     def file_bytes(self) -> int:
         return sum((self.path / f).stat().st_size for f in self.handles)
-
-
-def copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer, chat template and generation config travel with the weights."""
-    for pattern in COPY_GLOBS:
-        for f in src.glob(pattern):
-            if f.is_file():
-                shutil.copy2(f, dst / f.name)
-
-
-def weight_files(path: Path) -> list[str]:
-    """Model weight files: *.safetensors except training state (optimizer) files."""
-    return sorted(p.name for p in Path(path).glob("*.safetensors") if not p.name.startswith("training_state"))
-
-
-def dir_bytes(path: Path, pattern: str | None = None) -> int:
-    """Bytes of the model weight files (or of every file matching pattern)."""
-    path = Path(path)
-    files = [path / f for f in weight_files(path)] if pattern is None else list(path.glob(pattern))
-    return sum(f.stat().st_size for f in files if f.is_file())

@@ -29,9 +29,9 @@ from compress.ctformat import FORMAT_VERSION
 from compress.layerjob import LayerJob
 from compress.pipeline import capture_inputs, skipped
 from compress.skeleton import decoder_layers, fix_meta_buffers, hf_config, materialize, meta_model
-from compress.store import WeightSource, copy_side_files, read_config
-from training.checkpoint import atomic_dir
-from training.errors import UserError
+from compress.store import WeightSource
+from memfit.errors import UserError
+from memfit.modeldir import atomic_dir, copy_side_files, read_config
 
 
 class LayerWalk:

@@ -18,14 +18,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from memfit.defaults import max_seq_len
+from memfit.runtime.slot_model import SlotModel
 from serve.engine import Engine
 from serve.errors import APIError, error_body
 from serve.generate import completion_prompts, generate
 from serve.loader import Loaded
 from serve.metrics import Metrics
-from serve.model import SlotModel
 from serve.schemas import ChatCompletionRequest, CompletionRequest
-from training.errors import UserError
 
 log = logging.getLogger("serve.api")
 
@@ -45,7 +45,7 @@ class ServeConfig:
     placement: object | None = None  # serve.placement.Placement: --device-map/--max-memory/--offload-folder
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
     dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
-    cpu_kernels: str = "auto"  # fused fp32 CPU norm/RoPE/decode-attention kernels (serve.kernels): auto | on | off
+    cpu_kernels: str = "auto"  # fused fp32 CPU norm/RoPE/decode-attention kernels (memfit.runtime): auto | on | off
     engine_on_event_loop: bool = False  # True: a task on the server's event loop (serve CLI); else its own thread
 
 
@@ -146,10 +146,7 @@ class State:
         try:
             loaded = self.load_fn()
             cfg = self.cfg
-            maxpos = loaded.max_positions
-            msl = cfg.max_seq_len or min(maxpos, 2048)
-            if msl > maxpos:
-                raise UserError(f"--max-seq-len {msl} exceeds the model's max_position_embeddings {maxpos}")
+            msl = max_seq_len(loaded.model.config, cfg.max_seq_len)
             sm = SlotModel(loaded.model, cfg.max_batch, msl,
                            prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
                            cpu_kernels=cfg.cpu_kernels)
@@ -180,7 +177,7 @@ class State:
 def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
     packed, ops = getattr(sm, "dense_packed", 0), getattr(sm, "ops", None)
     info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device(),
-                  "cpu_kernels": ops is not None,  # serve.kernels built and in use
+                  "cpu_kernels": ops is not None,  # memfit.runtime.kernels built and in use
                   "packed_linears": packed, "linear_kernel": ("panel" if ops is not None else "onednn") if packed
                   else "torch", "int4_kernel_linears": getattr(sm, "int4_kernel", 0)}
     if loaded.plan is not None:
@@ -193,7 +190,7 @@ def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
 def _warmup(sm: SlotModel) -> None:
     import torch
 
-    from serve.model import Segment
+    from memfit.runtime.slot_model import Segment
 
     sm.forward(torch.zeros(8, dtype=torch.long), [Segment(0, 0, 8)])
     other = 1 if sm.max_batch > 1 else 0

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-from training.errors import UserError
-
-DEFAULT_MODEL = "models/shakespeare-llama"  # as in serve.loader; here so bad input fails before importing torch
+from memfit.defaults import DEFAULT_MODEL, default_model, max_seq_len
+from memfit.errors import UserError
+from memfit.modeldir import check_model_dir, read_config
+from serve.options import add_placement_args, check_placement, placement_from_args
 
 log = logging.getLogger("serve")
-
-
-def _default_model() -> str:
-    repo = Path(__file__).resolve().parent.parent / DEFAULT_MODEL
-    return str(repo) if repo.is_dir() and not Path(DEFAULT_MODEL).is_dir() else DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,41 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "cores; with --tp N, cores / N per rank). On a 2-core box 2 threads beat 1 at every "
                         "concurrency when the box is otherwise idle (bench/results/serving.md); set 1 on a busy one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    _placement_args(p)
+    add_placement_args(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: launch with `torchrun "
                    "--nproc-per-node N -m serve --tp N` (gloo on CPU, NCCL on GPU); rank 0 serves HTTP")
     return p
-
-
-def _placement_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device-map", default=None, help="place the model over GPUs, CPU RAM and disk: "
-                   "auto|balanced|balanced_low_0|sequential|cpu or a JSON file {module: device} (default: all "
-                   "on one device, no accelerate hooks)")
-    p.add_argument("--max-memory", default=None, help="per-device budget for --device-map, e.g. "
-                   "cuda:0=20GiB,cpu=48GiB (implies --device-map auto); the KV cache is counted in it")
-    p.add_argument("--offload-folder", default=None, help="where disk-offloaded tensors that must be converted "
-                   "are written (default: a temp dir; safetensors checkpoints are read in place)")
-    p.add_argument("--dense-kernel", choices=["auto", "on", "off"], default="auto",
-                   help="fp32 CPU Linears through oneDNN on weights reordered once at load (serve/dense.py): auto "
-                        "times both kernels on the model's largest Linear at load and uses oneDNN where faster")
-    p.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
-                   help="fused fp32 CPU kernels for RMSNorm, RoPE + KV cache write and decode attention "
-                        "(serve/kernels.py), compiled once per machine with the system C++ compiler (~40 s, then "
-                        "cached): auto falls back to torch ops if the build fails, on makes that an error")
-    p.add_argument("--offload-prefetch", action="store_true",
-                   help="load the next offloaded layer on a background thread while the current one runs (off by "
-                        "default: on CPU it measured no faster than accelerate's own hooks, bench/placement.py)")
-
-
-def _check_placement(args: argparse.Namespace) -> None:
-    dm = args.device_map
-    if dm is not None and dm not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu"):
-        if not dm.endswith(".json") or not Path(dm).is_file():
-            raise UserError(f"--device-map must be auto, balanced, balanced_low_0, sequential, cpu or an existing "
-                            f"JSON file, got {dm!r}")
-    if args.offload_folder is not None and Path(args.offload_folder).exists() and not Path(
-            args.offload_folder).is_dir():
-        raise UserError(f"--offload-folder {args.offload_folder} exists and is not a directory")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -100,41 +63,11 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--tp must be in 1..64, got {args.tp}")
     if args.tp > 1 and (args.device_map or args.max_memory or args.quantize):
         raise UserError("--tp cannot be combined with --device-map/--max-memory/--quantize")
-    _check_placement(args)
+    check_placement(args)
     if args.graceful_timeout < 0:
         raise UserError("--graceful-timeout must be >= 0")
-    # the same checks as training.model.check_checkpoint_dir (run again at load), without importing torch
-    m = Path(args.model)
-    if not m.is_dir():
-        raise UserError(f"--model: {args.model} is not a directory")
-    if not (m / "config.json").is_file():
-        raise UserError(f"--model: {args.model} has no config.json")
-    if not any(m.glob("*.safetensors")):
-        pickle = any(m.glob("*.bin")) or any(m.glob("*.pt")) or any(m.glob("*.pth"))
-        raise UserError(f"--model: {args.model} has no *.safetensors weights"
-                        + (" (pickle-only checkpoints are refused: they can run arbitrary code when loaded)"
-                           if pickle else ""))
-    try:
-        cfg = json.loads((Path(args.model) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"--model: unreadable config.json: {e}") from None
-    maxpos = cfg.get("max_position_embeddings")
-    if args.max_seq_len is not None:
-        if args.max_seq_len < 2:
-            raise UserError(f"--max-seq-len must be >= 2, got {args.max_seq_len}")
-        if maxpos and args.max_seq_len > maxpos:
-            raise UserError(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings {maxpos}")
-
-
-def _placement(args: argparse.Namespace):
-    if args.device_map is None and args.max_memory is None:
-        return None
-    from serve.placement import Placement, parse_max_memory, read_device_map_file
-
-    dm = args.device_map or "auto"
-    return Placement(device_map=read_device_map_file(dm) if dm.endswith(".json") else dm,
-                     max_memory=parse_max_memory(args.max_memory), offload_folder=args.offload_folder,
-                     prefetch=args.offload_prefetch)
+    cfg = read_config(check_model_dir(args.model, "--model"), "--model")
+    max_seq_len(cfg, args.max_seq_len)  # refuses < 2 and past the model's window
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.model is None:
-        args.model = _default_model()
+        args.model = default_model()
     args.api_key = args.api_key or os.environ.get("MEMFIT_API_KEY") or None
     try:
         validate(args)
@@ -162,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.tp > 1 and "OMP_NUM_THREADS" not in os.environ:  # the ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     try:
-        placement = _placement(args)
+        placement = placement_from_args(args)
         if args.tp > 1:
             from serve import tp
 
@@ -224,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tp_worker(args: argparse.Namespace) -> int:
     """Ranks 1..N-1 of ``--tp N``: load this rank's shard, then run the steps rank 0 broadcasts."""
+    from memfit.runtime.slot_model import SlotModel
     from serve import tp
     from serve.loader import load
-    from serve.model import SlotModel
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains on SIGTERM and then tells us to stop
     try:
@@ -235,7 +168,7 @@ def _tp_worker(args: argparse.Namespace) -> int:
     except UserError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
-    msl = args.max_seq_len or min(loaded.max_positions, 2048)  # as rank 0's State.load
+    msl = max_seq_len(loaded.model.config, args.max_seq_len)  # as rank 0's State.load
     tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl, dense_kernel=args.dense_kernel,
                              cpu_kernels=args.cpu_kernels))
     return 0

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from serve.cli import _default_model
+from memfit.defaults import default_model
 
 
 def _free_port() -> int:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions with the chat template")
     args = p.parse_args(argv)
-    model = args.model or _default_model()
+    model = args.model or default_model()
     if not os.path.isdir(model):
         print(f"serve.demo: error: model dir {model} not found (train it or pass --model)", file=sys.stderr)
         return 2

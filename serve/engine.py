@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.model import Segment, SlotModel
+from memfit.runtime.slot_model import Segment, SlotModel
 from serve.sampling import SamplerState, SamplingParams, greedy_tokens, top_logprobs
 
 log = logging.getLogger("serve.engine")

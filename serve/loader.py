@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from training.errors import UserError
-from training.model import check_checkpoint_dir, load_pretrained
+from memfit.defaults import max_positions
+from memfit.defaults import max_seq_len as default_max_seq_len
+from memfit.errors import UserError
+from memfit.hf import load_pretrained, load_tokenizer, nf4_config
+from memfit.modeldir import check_model_dir, read_config
 
 log = logging.getLogger("serve.loader")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_MODEL = "models/shakespeare-llama"
 # end-of-turn markers of common chat templates: generation stops at them like at EOS
 _END_MARKERS = ("<|end|>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<end_of_turn>")
 
@@ -40,7 +40,8 @@ def resolve_dtype(name: str, config: dict) -> torch.dtype:
 
 
 def _quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
-    """Quantize the decoder's Linear layers in place (lm_head and embeddings stay as they are)."""
+    """int8: quantize the decoder's Linear layers in place (lm_head and embeddings stay as they are); nf4 is
+    applied while loading (``load``)."""
     layers = model.model.layers
     if method == "int8":
         from torch.ao.quantization import quantize_dynamic
@@ -48,23 +49,6 @@ def _quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.model.layers = quantize_dynamic(layers, {torch.nn.Linear}, dtype=torch.qint8)
-        return model
-    if method == "nf4":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as e:
-            raise UserError(f"--quantize nf4 needs bitsandbytes: {e}") from None
-        for mod in layers.modules():
-            for name, child in list(mod.named_children()):
-                # bitsandbytes' CPU 4-bit kernels need in_features in whole 64-value blocks; others stay fp
-                if isinstance(child, torch.nn.Linear) and child.in_features % 64 == 0:
-                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                          quant_type="nf4", compute_dtype=child.weight.dtype)
-                    q.weight = bnb.nn.Params4bit(child.weight.data.float().contiguous(), requires_grad=False,
-                                                 quant_type="nf4")
-                    if child.bias is not None:
-                        q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-                    setattr(mod, name, q.to("cpu"))
         return model
     raise UserError(f"--quantize: unknown method {method!r} (nf4 or int8)")
 
@@ -91,13 +75,7 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
          max_seq_len: int | None = None, tp: int = 1) -> Loaded:
     """``placement`` (serve.placement.Placement) spreads the model over devices/RAM/disk; ``tp`` > 1 shards
     it over the torchrun ranks with transformers' tp_plan="auto" (every rank calls this)."""
-    check_checkpoint_dir(path, allow_pickle=False)
-    if not any(Path(path).glob("*.safetensors")):
-        raise UserError(f"--model: {path} has no *.safetensors weights (pickle checkpoints are refused)")
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"--model: {path}/config.json is unreadable: {e}") from None
+    config = read_config(check_model_dir(path, "--model"), "--model")
     how = None
     compress_load = None
     if "quantization_config" in config:
@@ -125,9 +103,8 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
     elif placement is not None:
         from serve.placement import load_placed
 
-        maxpos = int(config.get("max_position_embeddings") or 2048)
         model, plan = load_placed(path, torch_dtype, placement.device_map, placement.max_memory,
-                                  placement.offload_folder, max_batch, max_seq_len or min(maxpos, 2048),
+                                  placement.offload_folder, max_batch, default_max_seq_len(config, max_seq_len),
                                   compressed=compress_load is not None, prefetch=placement.prefetch)
         how = "compress" if compress_load is not None else None
         from serve.placement import format_plan
@@ -141,21 +118,24 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
         except Exception as e:  # noqa: BLE001 - surface as a user-facing load error
             raise UserError(f"--model: compress.load({path}) failed: {type(e).__name__}: {e}") from None
         how = "compress"
+    elif quantize == "nf4":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise UserError(f"--quantize nf4 needs bitsandbytes: {e}") from None
+        torch_dtype = resolve_dtype(dtype, config)
+        model = load_pretrained(path, dtype=torch_dtype, flag="--model", device_map={"": "cpu"},
+                                quantization_config=nf4_config(torch_dtype, skip=["lm_head"]))
+        how = "nf4"
     else:
-        model = load_pretrained(path, dtype=resolve_dtype(dtype, config))
+        model = load_pretrained(path, dtype=resolve_dtype(dtype, config), flag="--model")
         if dtype in DTYPES:
             model = model.to(DTYPES[dtype])
     model.eval()
-    if quantize:
+    if quantize and how != "nf4":
         if how == "compress":
             raise UserError("--quantize: the model is already quantized by compress")
         model = _quantize(model, quantize)
         how = quantize
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--model: no usable tokenizer in {path}: {e}") from None
-    maxpos = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
-    return Loaded(model, tok, _eos_ids(model, tok), maxpos, how, plan, tp)
+    tok = load_tokenizer(path, flag="--model")
+    return Loaded(model, tok, _eos_ids(model, tok), max_positions(model.config), how, plan, tp)

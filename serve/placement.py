@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 KEYWORDS = ("auto", "balanced", "balanced_low_0", "sequential", "cpu")
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -256,7 +256,7 @@ class Placement:
     device_map: str | dict = "auto"  # a KEYWORDS entry or {module name: device}
     max_memory: dict | None = None  # accelerate's {0: bytes, "cpu": bytes}; None = what the machine has free
     offload_folder: str | None = None  # None: a temp dir, used only if something must be written
-    prefetch: bool = False  # load the next offloaded layer while the current one runs (serve.offload)
+    prefetch: bool = False  # load the next offloaded layer while the current one runs (memfit.runtime.offload)
 
 
 def _temp_folder() -> str:
@@ -274,7 +274,7 @@ def load_placed(path: str, dtype: torch.dtype, device_map: str | dict, max_memor
                 offload_folder: str | None, max_batch: int, max_seq_len: int, compressed: bool,
                 prefetch: bool = False) -> tuple[torch.nn.Module, Plan]:
     """Load ``path`` placed by ``device_map`` (a keyword or a dict); returns the model and the plan it followed."""
-    from training.model import load_pretrained
+    from memfit.hf import load_pretrained
 
     if compressed:
         # compress outputs hold packed integer modules that only compress.load can build, so they are loaded

@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from training.errors import UserError
+from memfit.defaults import max_seq_len
+from memfit.errors import UserError
+from memfit.modeldir import check_model_dir, read_config
+from serve.options import add_placement_args, check_placement, placement_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from serve.cli import _placement_args
-
     p = argparse.ArgumentParser(prog="serve plan", description="Dry run of serve's placement: prints where each "
                                 "module would go and the memory each device needs (parameters + KV cache).")
     p.add_argument("model", help="HF checkpoint dir (safetensors) or compress output")
@@ -26,32 +26,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _placement_args(p)
+    add_placement_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        m = Path(args.model)
-        if not (m / "config.json").is_file():
-            raise UserError(f"MODEL: {args.model} has no config.json")
-        if args.max_batch < 1 or (args.max_seq_len is not None and args.max_seq_len < 2):
-            raise UserError("--max-batch must be >= 1 and --max-seq-len >= 2")
-        from serve.cli import _check_placement, _placement
-
-        _check_placement(args)
+        config = read_config(check_model_dir(args.model), "MODEL")
+        if args.max_batch < 1:
+            raise UserError("--max-batch must be >= 1")
+        msl = max_seq_len(config, args.max_seq_len)
+        check_placement(args)
         if args.device_map is None and args.max_memory is None:
             args.device_map = "auto"
-        placement = _placement(args)
+        placement = placement_from_args(args)
         import torch
 
         from serve.loader import resolve_dtype
         from serve.placement import DTYPES_BY_NAME, compute_plan, format_plan, meta_model
 
-        config = json.loads((m / "config.json").read_text())
         dtype = DTYPES_BY_NAME.get(args.dtype) or resolve_dtype(args.dtype, config)
-        msl = args.max_seq_len or min(int(config.get("max_position_embeddings") or 2048), 2048)
         if "quantization_config" in config:
             import compress
 

@@ -15,8 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from serve.model import Segment, SlotModel
-from training.errors import UserError
+from memfit.errors import UserError
+from memfit.runtime.slot_model import Segment, SlotModel
 
 log = logging.getLogger("serve.tp")
 _STOP = -1

@@ -1,5 +1,1 @@
 """memfit training: fine-tune or pretrain a causal LM with AMP, activation checkpointing and LoRA/QLoRA."""
-
-from training.errors import UserError
-
-__all__ = ["UserError"]

@@ -8,9 +8,6 @@ No pickle anywhere: optimizer state is flattened into a safetensors file plus JS
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,27 +65,6 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
     cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
-
-
-def atomic_dir(dest: Path, write: Callable[[Path], None]) -> None:
-    """Run write(tmp) then swap tmp into dest with renames; dest is never half-written."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
-    old = dest.parent / f".{dest.name}.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        for f in (p for p in tmp.iterdir() if p.is_file()):  # durable before the rename publishes it
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def find_checkpoint(dest: Path) -> Path | None:

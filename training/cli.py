@@ -7,8 +7,8 @@ import json
 import os
 import sys
 
+from memfit.errors import UserError
 from training.config import load_config
-from training.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "full", "every_k")

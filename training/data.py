@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 IGNORE = -100
 

@@ -14,8 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from training.checkpoint import STATE_JSON, STATE_TENSORS, atomic_dir, find_checkpoint
-from training.errors import UserError
+from memfit.errors import UserError
+from memfit.modeldir import atomic_dir
+from training.checkpoint import STATE_JSON, STATE_TENSORS, find_checkpoint
 
 SKIP = {STATE_JSON, STATE_TENSORS, "best.json"}
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "max_new_tokens": 128}

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from training.errors import UserError
-from training.model import load_pretrained, load_tokenizer
+from memfit.errors import UserError
+from memfit.hf import load_pretrained, load_tokenizer
 
 
 def generate(model_dir: str, prompt: str, max_new_tokens: int = 80, temperature: float = 0.8,

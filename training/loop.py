@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from accelerate import Accelerator, DistributedType
 from tqdm import tqdm
 
+from memfit.errors import UserError
+from memfit.modeldir import atomic_dir, check_model_dir
 from training import checkpoint as ckpt
 from training import precision as amp
 from training.config import TrainConfig
-from training.errors import UserError
 from training.memory import ActivationMeter, MemoryReport, fill_static
-from training.model import check_checkpoint_dir
 from training.setup import (
     get_model,
     get_tokenizer,
@@ -95,7 +95,7 @@ def save(dest: Path, model, tokenizer, optimizer, state: dict[str, Any], acc: Ac
         else:
             (tmp / "best.json").write_text(json.dumps({k: state[k] for k in ("step", "val_loss")}))
 
-    ckpt.atomic_dir(dest, write)
+    atomic_dir(dest, write)
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memory_report: bool = False,
@@ -109,7 +109,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
     out = Path(cfg.output_dir)
     # Validate every input before the output dir is touched (--overwrite deletes only after this).
     if cfg.model_path:
-        check_checkpoint_dir(cfg.model_path, cfg.allow_pickle)
+        check_model_dir(cfg.model_path, "model_path", cfg.allow_pickle)
     train_docs, val_docs = read_split(cfg)
     resume_from = prepare_output_dir(out, resume, overwrite) if acc.is_main_process else None
     acc.wait_for_everyone()
@@ -245,7 +245,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
         metrics.close()
     if cfg.lora and not cfg.qlora and acc.is_main_process and step == cfg.max_steps:  # 4-bit bases don't merge
         merged = acc.unwrap_model(model).merge_and_unload()
-        ckpt.atomic_dir(out / "merged", lambda d: (merged.save_pretrained(d), tokenizer.save_pretrained(d)))
+        atomic_dir(out / "merged", lambda d: (merged.save_pretrained(d), tokenizer.save_pretrained(d)))
     acc.wait_for_everyone()
     return {**last, "best_val_loss": best_val if best_val < math.inf else None,
             "memory_report": report.as_dict() if report else None}

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
+from memfit.errors import UserError
+from memfit.hf import load_pretrained, load_tokenizer, nf4_config
+from memfit.modeldir import atomic_dir
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.data import pack, read_documents, split_documents
-from training.errors import UserError
-from training.model import build_llama, load_pretrained, load_tokenizer
+from training.model import build_llama
 from training.tokenizer import document_texts, train_bpe
 
 
@@ -53,7 +55,7 @@ def get_tokenizer(cfg: TrainConfig, out: Path, train_docs, accelerator):
     if not (tok_dir / "tokenizer.json").is_file():
         if accelerator.is_main_process:
             tok = train_bpe(document_texts(d.row for d in train_docs), cfg.vocab_size)
-            ckpt.atomic_dir(tok_dir, tok.save_pretrained)
+            atomic_dir(tok_dir, tok.save_pretrained)
         accelerator.wait_for_everyone()
     return load_tokenizer(str(tok_dir))
 
@@ -81,9 +83,7 @@ def get_model(cfg: TrainConfig, tokenizer, resume_from: Path | None, device: tor
                 "qlora: the 4-bit NF4 base needs CUDA (bitsandbytes 4-bit on CPU is ~12x slower than fp32); "
                 "on CPU use lora=true with an fp32 base"
             )
-        from transformers import BitsAndBytesConfig
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                   bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+        quant = nf4_config(torch.bfloat16, double_quant=True)
     if resume_from is not None and not cfg.lora:
         model = load_pretrained(str(resume_from))
     elif cfg.model_path:

@@ -13,7 +13,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from training.checkpoint import atomic_dir
+from memfit.modeldir import atomic_dir
 
 # Whole plays held out for validation (fixed, so every run reports loss on the same text).
 VAL_PLAYS = ["hamlet_gut.txt", "tempest_gut.txt", "julius_caesar_gut.txt"]

@@ -21,10 +21,10 @@ import compress
 from compress import calib
 from compress.cli import evaluate_dirs, main
 from compress.evaluate import perplexity
-from compress.qlinear import QuantLinear, pick_backend
 from compress.quant import QuantArgs
 from compress.rtn import rtn
-from training.model import load_tokenizer
+from memfit.hf import load_tokenizer
+from memfit.runtime.qlinear import QuantLinear, pick_backend
 
 from .conftest import make_model_dir
 from .test_quantize import reference
@@ -142,9 +142,9 @@ def test_compress_load_on_device_uses_the_int4_kernel(wide: Path, wide_q4: Path)
 
 @needs_loader
 def test_slot_model_over_int4_model_matches_its_hf_forward(wide_q4: Path) -> None:
-    """serve's packed forward calls the same QuantLinear modules (q/k/v not fused: serve.fuse fuses int4_cpu
+    """serve's packed forward calls the same QuantLinear modules (q/k/v not fused: memfit.runtime.fuse fuses int4_cpu
     only) on the GPU."""
-    from serve.model import Segment, SlotModel
+    from memfit.runtime.slot_model import Segment, SlotModel
 
     model = compress.load(wide_q4, device=str(DEVICE))
     ids = IDS[0]
@@ -161,7 +161,7 @@ def test_slot_model_over_int4_model_matches_its_hf_forward(wide_q4: Path) -> Non
 @needs_loader
 def test_eval_on_device(wide: Path, wide_q4: Path, eval_file: Path, monkeypatch) -> None:
     """`compress eval --device cuda`: perplexity and serve-engine decode speed of the fp and 4-bit models."""
-    from serve import kernels
+    from memfit.runtime import kernels
 
     # the "serve" decode engine asks for the CPU kernels (auto): skip their ~40 s C++ build, which a CUDA model
     # does not use anyway (what a failed build does: torch ops)

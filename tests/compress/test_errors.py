@@ -11,7 +11,7 @@ import pytest
 import compress
 from compress import calib, rtn
 from compress.cli import main
-from training.errors import UserError
+from memfit.errors import UserError
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:

@@ -5,9 +5,9 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from compress.packing import pack_int32, unpack_int32
-from compress.qlinear import QuantLinear
 from compress.quant import QuantArgs, dequantize
 from compress.rtn import rtn
+from memfit.runtime.qlinear import QuantLinear
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

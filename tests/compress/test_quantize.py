@@ -121,7 +121,7 @@ def _output_error(q_dir: Path, fp, ids: torch.Tensor) -> float:
 
 def test_gptq_and_awq_end_to_end_beat_rtn(tiny: Path, tmp_path: Path, calib_file: Path, eval_file: Path) -> None:
     from compress.calib import eval_tokens
-    from training.model import load_tokenizer
+    from memfit.hf import load_tokenizer
 
     ids = eval_tokens(load_tokenizer(str(tiny)), [eval_file])[: 4 * 64].view(4, 64)
     fp = AutoModelForCausalLM.from_pretrained(tiny).eval()

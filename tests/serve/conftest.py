@@ -23,9 +23,9 @@ PROSPERO. We are such stuff as dreams are made on, and our little life is rounde
 
 @pytest.fixture(autouse=True, scope="session")
 def _cpu_kernels_built():
-    """Build serve.kernels (~1 min on a fresh machine) before any test, not inside a live server's load, where
+    """Build memfit.runtime.kernels (~1 min on a fresh machine) before any test, not inside a live server's load, where
     it would count against that fixture's wait for /health (``pytest tests/serve`` alone on a fresh clone)."""
-    from serve import kernels
+    from memfit.runtime import kernels
 
     kernels.load("auto")
 
@@ -138,8 +138,8 @@ def metric(text: str, name: str) -> float:
 
 
 def slot_greedy(sm, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens from a SlotModel (serve.model) for one prompt in slot 0: one prefill, then decodes."""
-    from serve.model import Segment
+    """n greedy tokens from a SlotModel for one prompt in slot 0: one prefill, then decodes."""
+    from memfit.runtime.slot_model import Segment
 
     lg = sm.forward(torch.tensor(prompt), [Segment(0, 0, len(prompt))])
     out = [int(lg[0].argmax())]

@@ -2,7 +2,7 @@
 
 Skipped without CUDA. ``MEMFIT_TEST_DEVICE=cpu`` runs the device-generic tests on CPU (a check of the test
 bodies on a machine without a GPU); the tests marked ``cuda_only`` need a real GPU whatever that says.
-Imports nothing that a bare GPU box lacks (fastapi, uvicorn, bitsandbytes): only serve.model/engine/loader/
+Imports nothing that a bare GPU box lacks (fastapi, uvicorn, bitsandbytes): only memfit.runtime, serve.engine/loader/
 placement, which import none of them.
 """
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from memfit.runtime.slot_model import Segment, SlotModel
 from serve.engine import Engine, Event, Sequence
 from serve.loader import load
-from serve.model import Segment, SlotModel
 from serve.placement import Placement, compute_plan, measured_resident, meta_model, parse_max_memory
 from serve.sampling import SamplingParams
 
@@ -101,7 +101,7 @@ def test_slot_model_on_device_matches_hf_forward(kind, dtype):
 def test_serve_default_kernel_modes_leave_cuda_layers_alone(monkeypatch):
     """serve's defaults are --dense-kernel auto --cpu-kernels auto: on a CUDA model neither may touch a module
     or call a CPU kernel. The kernels are replaced by a stand-in that fails on any call (no C++ build here)."""
-    from serve import kernels
+    from memfit.runtime import kernels
 
     calls: list[str] = []
 
@@ -286,8 +286,8 @@ def test_compress_output_placed_on_gpu(deep_dir, tmp_path):
     # GPU it is placed on (it loaded it on CPU and moved the CPU pack to the GPU before, which has no kernel there)
     from compress.cli import main as compress_main
     from compress.loader import load as compress_load
-    from compress.qlinear import QuantLinear
-    from training.errors import UserError
+    from memfit.errors import UserError
+    from memfit.runtime.qlinear import QuantLinear
 
     out = tmp_path / "q4"
     assert compress_main(["quantize", deep_dir, "-o", str(out), "--bits", "4", "--method", "rtn",

@@ -1,4 +1,4 @@
-"""serve.dense: fp32 CPU Linears on oneDNN's reordered weights or serve.kernels' panel layout give the same outputs
+"""memfit.runtime.dense: fp32 CPU Linears on oneDNN's reordered weights or the kernels' panel layout give equal outputs
 and the same greedy tokens."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serve import kernels
-from serve.dense import FusedSlice, OneDNNLinear, PanelLinear, available, pack_linears
-from serve.model import Segment, SlotModel
+from memfit.runtime import kernels
+from memfit.runtime.dense import FusedSlice, OneDNNLinear, PanelLinear, available, pack_linears
+from memfit.runtime.slot_model import Segment, SlotModel
 
 pytestmark = pytest.mark.skipif(not available(), reason="torch built without oneDNN")
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from memfit.runtime.slot_model import Segment, SlotModel
 from serve.engine import Engine, EngineStopped, Event, Sequence
 from serve.loader import load
-from serve.model import Segment, SlotModel
 from serve.sampling import SamplerState, SamplingParams
 
 from .conftest import hf_greedy

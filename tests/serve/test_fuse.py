@@ -1,14 +1,14 @@
-"""serve.fuse: one int4 kernel call for q/k/v (or gate/up) equals the separate projections, on any CPU."""
+"""memfit.runtime.fuse: one int4 kernel call for q/k/v (or gate/up) equals the separate projections, on any CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compress.qlinear import QuantLinear
 from compress.quant import QuantArgs
 from compress.rtn import rtn
-from serve.fuse import _pack_concatenates, fuse
+from memfit.runtime.fuse import _pack_concatenates, fuse
+from memfit.runtime.qlinear import QuantLinear
 
 
 def _linears(rows: list[int], k: int = 256) -> list[QuantLinear]:
@@ -43,7 +43,7 @@ def test_pack_probe_accepts_whole_blocks() -> None:
 
 def _exact(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T in fp32 with W = (q - 8) * scale + zero rebuilt from the module's own codes and bf16 scales."""
-    from serve.kernels import int4_block
+    from memfit.runtime.kernels import int4_block
 
     b = int4_block()
     n, k, gs = m.out_features, m.in_features, m.group_size
@@ -55,8 +55,8 @@ def _exact(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
-    from serve import kernels
-    from serve.fuse import Int4KernelLinear, int4_on_kernels
+    from memfit.runtime import kernels
+    from memfit.runtime.fuse import Int4KernelLinear, int4_on_kernels
 
     ops = kernels.load("on")
     assert kernels.int4_block() in (32, 64)

@@ -1,4 +1,4 @@
-"""serve.kernels: the fused CPU kernels against the torch ops they replace, their input checks, the fallback."""
+"""memfit.runtime.kernels: fused CPU kernels vs the torch ops they replace, input checks, fallback."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve import kernels
-from training.errors import UserError
+from memfit.errors import UserError
+from memfit.runtime import kernels
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +114,10 @@ def test_modes_and_fallback(monkeypatch, caplog):
     with pytest.raises(UserError, match="--cpu-kernels"):
         kernels.load("fast")
     monkeypatch.setattr(kernels, "_build", lambda: RuntimeError("no compiler here\nmore"))
-    with caplog.at_level(logging.WARNING, logger="serve.kernels"):
+    with caplog.at_level(logging.WARNING, logger="memfit.runtime.kernels"):
         assert kernels.load("auto") is None
     assert "no compiler here" in caplog.text
-    with pytest.raises(UserError, match="building serve/csrc failed"):
+    with pytest.raises(UserError, match="building memfit/runtime/csrc failed"):
         kernels.load("on")
 
 
@@ -169,9 +169,9 @@ def test_int4_linear_refuses_bad_shapes(ops):
 
 
 def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
-    from compress.qlinear import QuantLinear
     from compress.quant import QuantArgs
     from compress.rtn import rtn
+    from memfit.runtime.qlinear import QuantLinear
 
     block = kernels.int4_block()
     if block is None:

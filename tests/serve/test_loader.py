@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
-from serve.fuse import _pack_concatenates
+from memfit.errors import UserError
+from memfit.runtime.fuse import _pack_concatenates
+from memfit.runtime.slot_model import Segment, SlotModel
 from serve.loader import load
-from serve.model import Segment, SlotModel
-from training.errors import UserError
 
 
 def test_quantization_config_dispatches_to_compress_load(model_dir, loaded, tmp_path, monkeypatch):
@@ -75,7 +75,7 @@ def test_compress_4bit_output_serves_and_matches_its_hf_forward(model_dir, tmp_p
     assert type(q.model.model.layers[0].mlp.down_proj) is not torch.nn.Linear
     ids = torch.tensor(q.tokenizer("ROMEO. But soft, what light")["input_ids"])
     sm = SlotModel(q.model, 2, 64)
-    # the int4 q/k/v and gate/up projections run fused (serve.fuse); the HF forward below runs them one by one
+    # the int4 q/k/v and gate/up projections run fused (memfit.runtime.fuse); the HF forward below runs them one by one
     assert q.model.model.layers[0].mlp.up_proj.backend == "int4_cpu"
     # fused wherever the CPU's int4 layout allows it (tests/serve/test_fuse.py); separate calls otherwise
     ly = q.model.model.layers[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from serve.model import Segment, SlotModel
+from memfit.runtime.slot_model import Segment, SlotModel
 
 _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
@@ -64,9 +64,9 @@ def test_rope_table_equals_the_rotary_module():
 
 
 def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
-    from compress.qlinear import QuantLinear
     from compress.quant import QuantArgs
     from compress.rtn import rtn
+    from memfit.runtime.qlinear import QuantLinear
 
     torch.manual_seed(0)
     cfg = dict(_COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)

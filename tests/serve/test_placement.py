@@ -14,13 +14,13 @@ import httpx
 import pytest
 import torch
 
+from memfit.errors import UserError
+from memfit.runtime.slot_model import SlotModel
 from serve.demo import _wait_healthy
 from serve.loader import load
-from serve.model import SlotModel
 from serve.placement import Placement, compute_plan, measured_resident, meta_model, parse_max_memory
 from tests.serve.conftest import make_model_dir
 from tests.serve.conftest import slot_greedy as greedy
-from training.errors import UserError
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROMPT = [5, 17, 42, 99, 3, 250, 77, 12, 8, 160, 33]

@@ -1,8 +1,8 @@
 import pytest
 
+from memfit.errors import UserError
 from training.cli import main
 from training.config import load_config
-from training.errors import UserError
 
 
 def test_yaml_and_overrides(tmp_path):

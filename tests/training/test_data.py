@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from memfit.errors import UserError
 from training.data import pack, read_documents, split_documents, tokenize_document
-from training.errors import UserError
 from training.tokenizer import train_bpe
 
 

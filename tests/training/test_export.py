@@ -46,7 +46,7 @@ def test_shipped_model_loads_with_plain_transformers_and_knows_shakespeare(capsy
 def test_load_pretrained_never_swaps_in_hub_kernels():
     # transformers turns hub kernels on by default where its `kernels` package is installed (a dependency of
     # transformers >= 5.2x); they are code fetched from the Hub at load, on GPU, which memfit never does
-    from training.model import load_pretrained
+    from memfit.hf import load_pretrained
 
     model = load_pretrained("models/shakespeare-llama")
     assert model.use_kernels is False

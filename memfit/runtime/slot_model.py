@@ -9,8 +9,8 @@ Only the *modules* of the HF model are called (``layer.self_attn.q_proj(x)``, ``
 ``layer.input_layernorm(x)``), never their ``.weight``, so quantized Linear replacements from
 ``compress`` work unchanged. Rotary embeddings come from the model's own ``rotary_emb`` module, so
 every RoPE scaling variant that transformers implements is matched exactly. Where every layer runs on
-memfit's CPU kernels (serve.kernels), the layers run as one C++ call over those kernels' packed weights
-(serve.fast_stack); the Python loop here is its reference and runs everything else.
+memfit's CPU kernels (memfit.runtime.kernels), the layers run as one C++ call over those kernels' packed weights
+(memfit.runtime.fast_stack); the Python loop here is its reference and runs everything else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -75,7 +75,7 @@ def _plain_forward(module: torch.nn.Module):
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, ops=None) -> torch.Tensor:
-    """HF's Llama-family RMSNorm as one fused op: ours (serve.kernels) on CPU, else torch's (exactly equal in
+    """HF's Llama-family RMSNorm as one fused op: ours (memfit.runtime.kernels) on CPU, else torch's (exactly equal in
     fp32, half the CPU time of its six-op form at decode sizes); anything else (other dtypes, hooked or other
     norm types) runs the module."""
     w = getattr(norm, "weight", None)
@@ -98,7 +98,7 @@ def _prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sta
     """Attention of a later prefill chunk q [1, H, n, D] over its slot's keys [0, start + n): the cached prefix
     unmasked, the chunk itself causally. Two flash calls merged by their logsumexp (as vLLM's merge_attn_states)
     rather than one SDPA call with an [n, end] mask, because the mask and SDPA's float copy of it are a chunk's
-    largest allocation (2.5 MB per layer at n=256, end=2048); the same as serve/csrc/stack.cpp. GQA needs no
+    largest allocation (2.5 MB per layer at n=256, end=2048); the same as memfit/runtime/csrc/stack.cpp. GQA needs no
     repeat: the CPU flash kernel takes fewer key heads."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o_a, lse_a = flash(q, k[:, :, :start], v[:, :, :start], scale=scale)
@@ -154,15 +154,15 @@ class SlotModel:
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
-        from serve import kernels
-        from serve.dense import pack_linears
-        from serve.fuse import fuse, int4_on_kernels
-        from serve.offload import LayerPrefetcher
+        from memfit.runtime import kernels
+        from memfit.runtime.dense import pack_linears
+        from memfit.runtime.fuse import fuse, int4_on_kernels
+        from memfit.runtime.offload import LayerPrefetcher
 
-        # fused CPU kernels (serve.kernels): fp32 and int4 Linears, norms, RoPE + KV write, decode attention;
+        # fused CPU kernels (memfit.runtime.kernels): fp32 and int4 Linears, norms, RoPE + KV write, decode attention;
         # None where not built (torch ops then)
         self.ops = kernels.load(cpu_kernels)
-        # fp32 CPU Linears on packed weights (serve.dense; replaces modules of the HF model)
+        # fp32 CPU Linears on packed weights (memfit.runtime.dense; replaces modules of the HF model)
         self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops)
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
         # embedding and lm_head, called once a step: their forward straight, without nn.Module.__call__'s hook
@@ -176,7 +176,7 @@ class SlotModel:
         self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj], self.ops) if all(
             hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
             for ly in self.layers]
-        self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (serve.fuse)
+        self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.fuse)
         self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
                            for g, ly in zip(self.gate_up, self.layers, strict=True)]
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
@@ -185,7 +185,7 @@ class SlotModel:
         # static RoPE variants: cos/sin depend on the position only, so they are computed once per position
         self._rope_static = "dynamic" not in rope_type and rope_type != "longrope" and \
             max_seq_len * self.head_dim <= 2 ** 22
-        from serve.fast_stack import build
+        from memfit.runtime.fast_stack import build
 
         self.stack = build(self)  # the layers as one C++ call where all of them allow it, else None
 
@@ -277,7 +277,7 @@ class SlotModel:
         want = [offsets[i] + s.length - 1 for i, s in enumerate(segments) if s.want_logits]
         keep = want if want else [T - 1]
         keep_t = _NO_ROWS if len(keep) == T else torch.tensor(keep, dtype=torch.long)  # empty: every row
-        if self.stack is not None:  # every layer on serve.kernels: the C++ loop (serve.fast_stack)
+        if self.stack is not None:  # every layer on memfit.runtime.kernels: the C++ loop (memfit.runtime.fast_stack)
             prefill = [x for i, s in pre for x in (offsets[i], s.length, s.slot, s.start)]
             h = self.stack.forward(h[0], cos, sin, slots, positions, dec_tok, dec_slots, dec_len, all_dec,
                                    prefill, keep_t)[None]
@@ -361,7 +361,7 @@ class SlotModel:
                     out = od[:, :, 0, :]
                 else:
                     out[ix["dec_tok"]] = od[:, :, 0, :]
-            ours: list[int] = []  # chunks for serve.kernels' prefill attention (as serve/csrc/stack.cpp does)
+            ours: list[int] = []  # chunks for the kernels' prefill attention (as csrc/stack.cpp does)
             for i, s in pre:
                 a, n = offsets[i], s.length
                 end = s.start + n
@@ -390,7 +390,7 @@ class SlotModel:
             h = h + attn.o_proj(out)
             x = _rms_norm(layer.post_attention_layernorm, h, ops)
             if self.silu_pairs[li]:
-                h = h + layer.mlp.down_proj(self.gate_up[li].silu_mul(x))  # activation in the GEMM (serve.dense)
+                h = h + layer.mlp.down_proj(self.gate_up[li].silu_mul(x))  # activation in the GEMM (dense.py)
             elif self.gate_up[li] is not None:
                 gu = self.gate_up[li](x)
                 n = gu.shape[-1] // 2

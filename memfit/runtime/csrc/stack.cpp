@@ -1,4 +1,4 @@
-// SlotModel's decoder layers as one C++ loop over the kernels of this folder (serve/fast_stack.py says when it
+// SlotModel's decoder layers as one C++ loop over the kernels of this folder (memfit/runtime/fast_stack.py says when it
 // is used). Why: the Python loop dispatched ~25 ops a layer. Same-process A/B on the serving benchmark's 33.7M
 // Llama, decode step Python loop vs this: batch 1 4-bit 3.80 vs 2.46 ms, fp32 7.41 vs 5.82; batch 16 0.87x;
 // outputs bit-equal.

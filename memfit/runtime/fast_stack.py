@@ -1,9 +1,9 @@
-"""SlotModel's decoder layers as one C++ call (serve.kernels' ``LayerStack``, ``serve/csrc/stack.cpp``).
+"""SlotModel's decoder layers as one C++ call (memfit.runtime.kernels' ``LayerStack``, csrc/stack.cpp).
 
 Used when every layer is on the fast path already: CPU, fp32 activations and KV cache, no offload hooks or
 tensor-parallel shards, Llama-family RMSNorms, no q/k norms (qwen3 stays on the Python loop), static RoPE,
-fused q/k/v, and every projection on serve.kernels' panel (fp32 or int8) or int4 kernels with unpadded outputs.
-The Python loop in serve.model is the reference (tests compare the two) and runs everything else.
+fused q/k/v, and every projection on memfit.runtime.kernels' panel (fp32 or int8) or int4 kernels with unpadded outputs.
+The Python loop in memfit.runtime.slot_model is the reference (tests compare the two) and runs everything else.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serve.dense import PanelLinear
-from serve.fuse import Int4KernelLinear
+from memfit.runtime.dense import PanelLinear
+from memfit.runtime.fuse import Int4KernelLinear
 
 PANEL, PANEL_SILU_PAIRS, INT4, INT4_GATE_UP = 0, 1, 2, 3
 _NONE = torch.empty(0)
@@ -30,7 +30,7 @@ def _spec(m, gate_up: bool) -> tuple | None:
         ql = m.ql
         return (INT4, ql.packed, ql.scale_zeros, _NONE if ql.bias is None else ql.bias.detach().float(),
                 ql.group_size, m.block)
-    int4 = getattr(m, "int4", None)  # serve.fuse's fused int4 call (no bias; gate/up as silu pairs)
+    int4 = getattr(m, "int4", None)  # memfit.runtime.fuse's fused int4 call (no bias; gate/up as silu pairs)
     if int4 is not None and (not gate_up or getattr(m, "pairs", False)):
         packed, sz, group, block = int4
         return (INT4_GATE_UP if gate_up else INT4, packed, sz, _NONE, group, block)

@@ -1,4 +1,4 @@
-// Shared by serve/csrc/*.cpp: the fused CPU kernels of serve.kernels (see serve/kernels.py for why and how
+// Shared by memfit/runtime/csrc/*.cpp: the fused CPU kernels of memfit.runtime.kernels (see memfit/runtime/kernels.py for why and how
 // they are built).
 #pragma once
 

@@ -1,4 +1,4 @@
-// fp32 and 4-bit Linears for small and large row counts (serve.dense.PanelLinear, serve.fuse).
+// fp32 and 4-bit Linears for small and large row counts (memfit.runtime.dense.PanelLinear, memfit.runtime.fuse).
 #include <immintrin.h>
 
 #include "common.h"
@@ -178,7 +178,7 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
 
 // ---- 4-bit Linear on torch's CPU int4 pack (aten::_convert_weight_to_int4pack_for_cpu, inner k tiles 8) ----
 // That pack is [N / B][K][B / 2] bytes for B = 64 (AVX-512 builds of torch; 32 on AVX2): byte j of row k holds
-// output n0 + j in its low nibble and n0 + j + B / 2 in its high one (serve.kernels probes B once). W[n, k] =
+// output n0 + j in its low nibble and n0 + j + B / 2 in its high one (memfit.runtime.kernels probes B once). W[n, k] =
 // (q - 8) * scale[g, n] + zero[g, n] with g = k / group_size, scale_zeros [K / group_size, N, 2] in bf16.
 // Why not aten's own int4 kernel: it takes bf16 activations (two dtype conversions per call) and at decode sizes
 // streamed the packed weight at ~6 GB/s; here each (B-row block, group) is dequantized once into an fp32 tile

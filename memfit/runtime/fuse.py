@@ -5,7 +5,7 @@ conversion of its input and back, so 7 calls per layer become 4. Measured (A/B i
 one thread, the serving benchmark's 33.7M Llama as a compress 4-bit output, batch 1): 13.4 vs 14.8 ms
 per decode step, and 15.4 vs 17.4 in a second run. fp32 ``nn.Linear`` on MKL's sgemm is not fused: the
 same A/B measured it 3% faster at batch 1 but 4-11% slower at batch 4 and 16 (the wider matrix and the
-strided splits), so it keeps its separate calls; on oneDNN (serve.dense) it is fused at packing time and
+strided splits), so it keeps its separate calls; on oneDNN (memfit.runtime.dense) it is fused at packing time and
 only handed over here. The originals' packed weights become slices
 of the fused tensor, so memory is not doubled. Only applied to resident modules (no offload hooks, no
 tensor-parallel shards) with the same input size, group size and dtype, and only where the CPU's int4
@@ -37,14 +37,14 @@ def _pack_concatenates(rows: tuple[int, ...]) -> bool:
     w = torch.randint(0, 16, (sum(rows), k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
     try:
-        parts = [pack(x.contiguous(), 8) for x in torch.split(w, list(rows))]  # 8: as compress.qlinear
+        parts = [pack(x.contiguous(), 8) for x in torch.split(w, list(rows))]  # 8: as memfit.runtime.qlinear
         return torch.equal(torch.cat(parts), pack(w, 8))
     except RuntimeError:
         return False
 
 
 class Int4KernelLinear(nn.Module):
-    """A compress ``QuantLinear`` (int4_cpu backend) on serve.kernels' ``int4_linear``: same packed weight and
+    """A compress ``QuantLinear`` (int4_cpu backend) on memfit.runtime.kernels' ``int4_linear``: same packed weight and
     scales, fp32 activations in and out (no bf16 round trip); other input dtypes run the original module."""
 
     def __init__(self, ql: nn.Module, ops, block: int) -> None:
@@ -63,8 +63,8 @@ class Int4KernelLinear(nn.Module):
 def int4_on_kernels(model: nn.Module, ops) -> int:
     """Swap the model's resident int4_cpu QuantLinears (output size a multiple of the pack's row block) for
     Int4KernelLinear; returns how many. After ``fuse``: the fused ones' packed weights are views by then."""
-    from compress.qlinear import QuantLinear
-    from serve.kernels import int4_block
+    from memfit.runtime.kernels import int4_block
+    from memfit.runtime.qlinear import QuantLinear
 
     block = int4_block() if ops is not None else None
     if block is None:
@@ -81,14 +81,14 @@ def int4_on_kernels(model: nn.Module, ops) -> int:
 
 def fuse(mods: list[nn.Module], ops=None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A function computing ``torch.cat([m(x) for m in mods], -1)`` with one kernel call, or None. With
-    serve.kernels' ``ops``, fused int4 projections run on its ``int4_linear`` (fp32 in and out)."""
-    from compress.qlinear import QuantLinear
-    from serve.dense import FusedSlice
+    memfit.runtime.kernels' ``ops``, fused int4 projections run on its ``int4_linear`` (fp32 in and out)."""
+    from memfit.runtime.dense import FusedSlice
+    from memfit.runtime.qlinear import QuantLinear
 
     if all(type(m) is FusedSlice for m in mods) and len({id(m.fused) for m in mods}) == 1 \
             and [m.start for m in mods] == [0] + [m.stop for m in mods[:-1]] \
             and mods[-1].stop == mods[0].fused.out_features:
-        return mods[0].fused  # serve.dense packed them as one weight already
+        return mods[0].fused  # memfit.runtime.dense packed them as one weight already
     if not all(_resident(m) for m in mods):
         return None
 
@@ -104,7 +104,7 @@ def fuse(mods: list[nn.Module], ops=None) -> Callable[[torch.Tensor], torch.Tens
             m.packed = packed[off:off + m.out_features]
             off += m.out_features
         k, group, dtype = mods[0].in_features, mods[0].group_size, scale_zeros.dtype
-        from serve.kernels import int4_block
+        from memfit.runtime.kernels import int4_block
 
         block = int4_block() if ops is not None else None
         if block is not None and packed.shape[0] % block == 0:
@@ -114,10 +114,10 @@ def fuse(mods: list[nn.Module], ops=None) -> Callable[[torch.Tensor], torch.Tens
                     return int4(x)
                 return ops.int4_linear(x, packed, scale_zeros, group, block)
 
-            # what serve.fast_stack hands the C++ layer loop
+            # what memfit.runtime.fast_stack hands the C++ layer loop
             int4_kernel.int4 = (packed, scale_zeros, group, block)  # type: ignore[attr-defined]
             # two equal halves (the MLP's gate and up): silu(gate) * up straight from the kernel, as
-            # serve.dense.PanelLinear's pairs (serve.model checks the activation is SiLU before using it)
+            # PanelLinear's pairs (slot_model checks the activation is SiLU before using it)
             sizes = [m.out_features for m in mods]
             int4_kernel.pairs = len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % block == 0  # type: ignore[attr-defined]
 

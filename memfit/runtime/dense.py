@@ -13,9 +13,9 @@ q/k/v and the MLP's gate/up of one layer are packed as one fused weight (their i
 call instead of three (two) was 1.8x (1.4x) faster at M = 1 and 1.4x (1.2x) at M = 16, equal at M = 256
 (A/B on the serving benchmark's shapes, 2 threads; with MKL's sgemm fusing had been 4-11% slower at
 M >= 4, which is why only int4 was fused before). The HF modules become ``FusedSlice`` views of the fused
-call, so the model's own forward still works; ``serve.fuse`` hands SlotModel the fused call itself.
+call, so the model's own forward still works; ``memfit.runtime.fuse`` hands SlotModel the fused call itself.
 
-Where serve.kernels is built (``--cpu-kernels``), the Linears run on its panel kernel instead
+Where memfit.runtime.kernels is built (``--cpu-kernels``), the Linears run on its panel kernel instead
 (``PanelLinear``, weight as [N/16, K, 16]): it streams each weight once per call whatever the row count. On
 the serving benchmark's 40 Linear shapes (10 layers, streamed from memory, 2 threads), median ms oneDNN vs
 panel: M = 1 8.2 vs 5.2, M = 4 6.1 vs 4.3, M = 8 7.1 vs 4.4, M = 16 9.0 vs 7.0, M = 64 22.9 vs 21.6,
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve.fuse import _resident
+from memfit.runtime.fuse import _resident
 
 MODES = ("auto", "on", "off")
 # The batch size oneDNN picks the weight's blocked layout for. Measured on the 2-core AVX-512 host, 2 threads,
@@ -107,7 +107,7 @@ class OneDNNLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """``y = x @ W^T + b`` on serve.kernels' panel layout (``ops.pack_panels``; a non-persistent buffer). An
+    """``y = x @ W^T + b`` on memfit.runtime.kernels' panel layout (``ops.pack_panels``; a non-persistent buffer). An
     output size that is not a multiple of 16 (a vocabulary) is padded with zero rows, sliced off each call.
 
     ``pairs``: a fused gate/up projection whose 16-row panels alternate gate and up rows of the same outputs,
@@ -164,13 +164,13 @@ def _stack(linears: list[nn.Module]) -> Weights:
 
 
 def _packed(linear: nn.Module | Weights, ops) -> nn.Module:
-    """``linear`` on the panel kernel with serve.kernels' ``ops``, else on oneDNN."""
+    """``linear`` on the panel kernel with memfit.runtime.kernels' ``ops``, else on oneDNN."""
     return PanelLinear(linear, ops) if ops is not None else OneDNNLinear(linear)
 
 
 class FusedSlice(nn.Module):
     """Columns ``[start, stop)`` of a fused OneDNNLinear's output: what one of the fused projections returns.
-    SlotModel calls the fused module once (serve.fuse); this keeps the HF model's own forward working."""
+    SlotModel calls the fused module once (memfit.runtime.fuse); this keeps the HF model's own forward working."""
 
     def __init__(self, fused: nn.Module, start: int, stop: int) -> None:
         super().__init__()
@@ -264,7 +264,7 @@ def _drop_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
 
 
 def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
-    """Replace the model's eligible fp32 CPU Linears by PanelLinear (with serve.kernels' ``ops``) or
+    """Replace the model's eligible fp32 CPU Linears by PanelLinear (with memfit.runtime.kernels' ``ops``) or
     OneDNNLinear; returns how many were replaced."""
     if mode not in MODES:
         raise ValueError(f"dense kernel mode must be one of {MODES}, not {mode!r}")

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for SlotModel (``serve/csrc``: per-layer glue, fp32 and 4-bit Linears), built on first use.
+"""Fused CPU kernels for SlotModel (``csrc``: per-layer glue, fp32 and 4-bit Linears), built on first use.
 
 Why our own: after the Linears, a decode step's time went to many small ATen ops, each a dispatch and a pass
 over memory. Per layer of the serving benchmark's 33.7M Llama at batch 16 (2 threads, medians of 100 calls):
@@ -9,8 +9,8 @@ over memory. Per layer of the serving benchmark's 33.7M Llama at batch 16 (2 thr
 - RMSNorm: 21 us (``F.rms_norm`` runs as pow/mean/add/rsqrt/mul on CPU), ours 3.5 us; at batch 1 18 vs 2 us;
 - RoPE on q and k plus the two KV cache writes: 80 us (cat, 4 elementwise ops, 2 index_put), ours 24 us.
 
-It also holds the fp32 Linear kernel on a panel layout (serve.dense.PanelLinear: measurements there) and a
-4-bit Linear on torch's own CPU int4 pack (serve.fuse): on the 40 Linear shapes of that model as a compress
+It also holds the fp32 Linear kernel on a panel layout (memfit.runtime.dense.PanelLinear: measurements there) and a
+4-bit Linear on torch's own CPU int4 pack (memfit.runtime.fuse): on the 40 Linear shapes of that model as a compress
 4-bit output (group 128, streamed from memory, fp32 in and out), aten's kernel vs ours: M = 1 2.07 vs 1.30 ms,
 M = 4 2.99 vs 2.06, M = 16 10.2 vs 8.1, M = 64 33.6 vs 23.2, M = 256 126 vs 85. At 1-4 rows the scale and
 zero are applied once per group (codes times x summed unscaled): 0.84x / 0.94x of dequantizing each weight
@@ -33,12 +33,12 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
-from training.errors import UserError
+from memfit.errors import UserError
 
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "stack.cpp")
-log = logging.getLogger("serve.kernels")
+log = logging.getLogger("memfit.runtime.kernels")
 
 
 @functools.cache
@@ -92,7 +92,7 @@ def load(mode: str) -> ModuleType | None:
     if not isinstance(built, Exception):
         return built
     if mode == "on":
-        raise UserError(f"--cpu-kernels on: building serve/csrc failed: {built}") from built
+        raise UserError(f"--cpu-kernels on: building memfit/runtime/csrc failed: {built}") from built
     first = (str(built).strip().splitlines() or [type(built).__name__])[0]
     log.warning("serve: fused CPU kernels unavailable, using torch ops (%s)", first)
     return None

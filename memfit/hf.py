@@ -1,0 +1,50 @@
+"""Hugging Face loading with memfit's safety policy, and the one NF4 (bitsandbytes) setting.
+
+Policy: safetensors only unless the user passes --allow-pickle; no ``trust_remote_code`` unless asked by
+flag; no layer kernels fetched from the Hub (transformers' ``use_kernels``); nothing downloaded at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from memfit.errors import UserError
+from memfit.modeldir import check_model_dir, weight_files
+
+
+def load_pretrained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False, flag: str = "model_path",
+                    **kwargs: Any) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` of a checked model dir, fp32 unless ``dtype`` says otherwise."""
+    check_model_dir(path, flag, allow_pickle)
+    # transformers (>= 5.2x, with its `kernels` dependency) swaps layers for kernels it downloads from the Hub
+    # (kernels-community/*) when a model is loaded on a GPU or put in train mode: code fetched at run time, which
+    # memfit never runs (no hub access, as with trust_remote_code). Offline that load failed outright (seen on an
+    # H200: "Version 2 of 'kernels-community/rotary' is not available in the local cache").
+    kwargs.setdefault("use_kernels", False)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, use_safetensors=bool(weight_files(path)), trust_remote_code=trust_remote_code,
+            dtype=kwargs.pop("dtype", torch.float32), **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag}: could not load {path}: {e}") from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "tokenizer"):
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag}: could not load a tokenizer from {path}: {e}") from None
+
+
+def nf4_config(compute_dtype: torch.dtype, skip: list[str] | None = None, double_quant: bool = False):
+    """bitsandbytes NF4 (4-bit NormalFloat, blocks of 64) as transformers' ``quantization_config``: QLoRA's base
+    (bf16 compute, double quantization), ``compress --method nf4`` and ``serve --quantize nf4`` (fp32 compute on
+    CPU) all come through here."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                              bnb_4bit_use_double_quant=double_quant, llm_int8_skip_modules=skip or None)
