@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import UserError
+from memfit.runtime.quantized import Quantized, dequantize  # noqa: F401 - the format compress writes
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 
@@ -30,21 +31,6 @@ class QuantArgs:
     @property
     def maxq(self) -> int:
         return 2**self.bits - 1
-
-
-@dataclass
-class Quantized:
-    """Result of quantizing one Linear weight: unsigned codes plus per-(row, group) scale and zero."""
-
-    codes: torch.Tensor  # uint8 (out, in)
-    scale: torch.Tensor  # float32 (out, n_groups), values exactly representable in fp16
-    zero: torch.Tensor  # uint8 (out, n_groups)
-    bits: int
-    group_size: int
-    sym: bool
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self.codes, self.scale, self.zero, self.group_size)
 
 
 def resolve_group_size(name: str, in_features: int, group_size: int, fallback: bool) -> tuple[int, str | None]:
@@ -102,10 +88,3 @@ def qparams(wg: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tens
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
     """Codes for w given broadcastable scale/zero (float)."""
     return torch.clamp(torch.round(w / scale) + zero, 0, maxq)
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    out, cols = codes.shape
-    q = codes.float().view(out, cols // group_size, group_size)
-    w = (q - zero.float().unsqueeze(-1)) * scale.float().unsqueeze(-1)
-    return w.view(out, cols)

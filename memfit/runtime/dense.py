@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.runtime.fuse import _resident
+from memfit.runtime.linear import NONE, PANEL, PANEL_SILU_PAIRS, StackSpec, is_resident, is_torch_int8
 
 MODES = ("auto", "on", "off")
 # The batch size oneDNN picks the weight's blocked layout for. Measured on the 2-core AVX-512 host, 2 threads,
@@ -53,24 +53,11 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _is_int8(m: nn.Module) -> bool:
-    """A torch dynamic-quantized Linear (``serve --quantize int8``) with symmetric qint8 weights."""
-    if type(m).__module__ != "torch.ao.nn.quantized.dynamic.modules.linear" or type(m).__name__ != "Linear":
-        return False
-    w = m.weight()
-    if w.dtype != torch.qint8:
-        return False
-    if w.qscheme() == torch.per_tensor_affine:
-        return w.q_zero_point() == 0
-    return w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric) and w.q_per_channel_axis() == 0 \
-        and not w.q_per_channel_zero_points().any()
-
-
 Weights = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 def _has_bias(m: nn.Module) -> bool:
-    return (m.bias() if _is_int8(m) else m.bias) is not None
+    return (m.bias() if is_torch_int8(m) else m.bias) is not None
 
 
 def _weights(m: nn.Module | Weights) -> Weights:
@@ -78,7 +65,7 @@ def _weights(m: nn.Module | Weights) -> Weights:
     scales for a torch dynamic-quantized Linear (W = codes * scale)."""
     if isinstance(m, tuple):
         return m
-    if _is_int8(m):
+    if is_torch_int8(m):
         w, b = m.weight(), m.bias()
         if w.qscheme() == torch.per_tensor_affine:
             scale = torch.full((w.shape[0],), float(w.q_scale()))
@@ -91,6 +78,8 @@ def _weights(m: nn.Module | Weights) -> Weights:
 class OneDNNLinear(nn.Module):
     """``y = x @ W^T + b`` with W held in oneDNN's reordered layout (a non-persistent buffer)."""
 
+    FORMAT = "onednn_fp32"
+
     def __init__(self, linear: nn.Linear | Weights) -> None:
         super().__init__()
         w, b, _ = _weights(linear)
@@ -101,6 +90,9 @@ class OneDNNLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def stack_spec(self, gate_up: bool) -> StackSpec | None:
+        return None  # the C++ layer loop runs memfit's own kernels only
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -118,6 +110,8 @@ class PanelLinear(nn.Module):
     int8 weights (``serve --quantize int8``: torch's dynamic-quantized Linears) keep their codes and scales and
     run with fp32 activations (weight-only int8: the weight streams at a quarter of fp32's bytes; torch's own
     dynamic kernel also quantizes the activations and measured slower than this fp32 path)."""
+
+    FORMAT = "panel"
 
     def __init__(self, linear: nn.Module | Weights, ops, pairs: bool = False) -> None:
         super().__init__()
@@ -150,6 +144,17 @@ class PanelLinear(nn.Module):
         """``silu(gate) * up`` of a ``pairs`` projection."""
         return self.ops.linear_panels(x, self.packed, self.bias, True, self.scale)
 
+    @property
+    def format(self) -> str:
+        return "panel_int8" if self.scale is not None else "panel_fp32"
+
+    def stack_spec(self, gate_up: bool) -> StackSpec | None:
+        if self.pairs != gate_up or self.packed.shape[0] * 16 != self.out_features:  # padded outputs: sliced here
+            return None
+        return StackSpec(PANEL_SILU_PAIRS if gate_up else PANEL, self.packed,
+                         NONE if self.bias is None else self.bias.detach(), NONE if self.scale is None else self.scale,
+                         0, 0)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
                 + (", int8" if self.scale is not None else ""))
@@ -169,8 +174,11 @@ def _packed(linear: nn.Module | Weights, ops) -> nn.Module:
 
 
 class FusedSlice(nn.Module):
-    """Columns ``[start, stop)`` of a fused OneDNNLinear's output: what one of the fused projections returns.
-    SlotModel calls the fused module once (memfit.runtime.fuse); this keeps the HF model's own forward working."""
+    """Columns ``[start, stop)`` of a fused projection's output: what one of the fused projections returns.
+    SlotModel calls the fused module once (``fused_of``); this keeps the HF model's own forward working. Not a
+    format of its own: its weight is the fused module's."""
+
+    FORMAT = "slice"
 
     def __init__(self, fused: nn.Module, start: int, stop: int) -> None:
         super().__init__()
@@ -182,6 +190,16 @@ class FusedSlice(nn.Module):
 
     def extra_repr(self) -> str:
         return f"columns [{self.start}, {self.stop}) of a fused {self.fused.out_features}-column projection"
+
+
+def fused_of(mods: list[nn.Module]) -> nn.Module | None:
+    """The fused module whose output is ``cat([m(x) for m in mods], -1)`` where ``pack_linears`` packed ``mods``
+    as consecutive slices of one weight, else None."""
+    if all(type(m) is FusedSlice for m in mods) and len({id(m.fused) for m in mods}) == 1 \
+            and [m.start for m in mods] == [0] + [m.stop for m in mods[:-1]] \
+            and mods[-1].stop == mods[0].fused.out_features:
+        return mods[0].fused
+    return None
 
 
 # projections of one parent module that read the same input (Llama-family names)
@@ -201,10 +219,10 @@ def _candidates(model: nn.Module, ops=None) -> list[tuple[nn.Module, str, nn.Mod
     out = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if ops is not None and _is_int8(child):
+            if ops is not None and is_torch_int8(child):
                 out.append((parent, name, child))
                 continue
-            if type(child) is not nn.Linear or not _resident(child):
+            if type(child) is not nn.Linear or not is_resident(child):
                 continue
             w = child.weight
             if w.dtype != torch.float32 or w.device.type != "cpu" or w.data_ptr() in shared:
@@ -284,7 +302,7 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
         for group in FUSE_GROUPS:
             mods = [children.get(n) for n in group]
             if any(m is None for m in mods) or \
-                    len({(m.in_features, _is_int8(m), _has_bias(m)) for m in mods}) != 1:
+                    len({(m.in_features, is_torch_int8(m), _has_bias(m)) for m in mods}) != 1:
                 continue
             if group == ("gate_proj", "up_proj") and ops is not None and mods[0].out_features % 16 == 0 \
                     and mods[0].out_features == mods[1].out_features:

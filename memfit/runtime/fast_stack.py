@@ -11,30 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memfit.runtime.dense import PanelLinear
-from memfit.runtime.fuse import Int4KernelLinear
-
-PANEL, PANEL_SILU_PAIRS, INT4, INT4_GATE_UP = 0, 1, 2, 3
-_NONE = torch.empty(0)
+from memfit.runtime.linear import StackableLinear, StackSpec
 
 
-def _spec(m, gate_up: bool) -> tuple | None:
-    """(kind, a, b, c, group, block) of one projection (stack.h: LinearSpec), or None when the C++ loop cannot
-    run it."""
-    if type(m) is PanelLinear:
-        if m.pairs != gate_up or m.packed.shape[0] * 16 != m.out_features:  # padded outputs are sliced in Python
-            return None
-        return (PANEL_SILU_PAIRS if gate_up else PANEL, m.packed, _NONE if m.bias is None else m.bias.detach(),
-                _NONE if m.scale is None else m.scale, 0, 0)
-    if type(m) is Int4KernelLinear and not gate_up:
-        ql = m.ql
-        return (INT4, ql.packed, ql.scale_zeros, _NONE if ql.bias is None else ql.bias.detach().float(),
-                ql.group_size, m.block)
-    int4 = getattr(m, "int4", None)  # memfit.runtime.fuse's fused int4 call (no bias; gate/up as silu pairs)
-    if int4 is not None and (not gate_up or getattr(m, "pairs", False)):
-        packed, sz, group, block = int4
-        return (INT4_GATE_UP if gate_up else INT4, packed, sz, _NONE, group, block)
-    return None
+def _spec(m: nn.Module | None, gate_up: bool) -> StackSpec | None:
+    """What the C++ loop needs to run projection ``m`` (the Linear protocol's ``stack_spec``), or None."""
+    return m.stack_spec(gate_up) if isinstance(m, StackableLinear) else None
 
 
 def _norm(norm: nn.Module) -> torch.Tensor | None:

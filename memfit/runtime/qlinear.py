@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.quant import Quantized
+from memfit.runtime.quantized import Quantized
 
 INT4_GROUPS = (32, 64, 128, 256)
 
@@ -28,6 +28,10 @@ def pick_backend(q: Quantized, device: torch.device) -> str:
 
 
 class QuantLinear(nn.Module):
+    """A compress output's Linear: packed for the device's int4 kernel at load, or dequantized per call."""
+
+    FORMAT = "quant"
+
     def __init__(self, q: Quantized, bias: torch.Tensor | None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, backend: str | None = None) -> None:
         super().__init__()
@@ -54,6 +58,10 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale", scale.to(device=device, dtype=dtype))
             self.register_buffer("zero", q.zero.to(device=device, dtype=dtype))
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
+
+    @property
+    def format(self) -> str:
+        return self.backend  # int4_cpu | int4_cuda | dequant
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "

@@ -21,6 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from memfit.errors import UserError
+from memfit.runtime import kernels
+from memfit.runtime.dense import pack_linears
+from memfit.runtime.fast_stack import build
+from memfit.runtime.fuse import fuse
+from memfit.runtime.int4 import int4_on_kernels
+from memfit.runtime.offload import LayerPrefetcher
 
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -154,11 +160,6 @@ class SlotModel:
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
-        from memfit.runtime import kernels
-        from memfit.runtime.dense import pack_linears
-        from memfit.runtime.fuse import fuse, int4_on_kernels
-        from memfit.runtime.offload import LayerPrefetcher
-
         # fused CPU kernels (memfit.runtime.kernels): fp32 and int4 Linears, norms, RoPE + KV write, decode attention;
         # None where not built (torch ops then)
         self.ops = kernels.load(cpu_kernels)
@@ -176,7 +177,7 @@ class SlotModel:
         self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj], self.ops) if all(
             hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
             for ly in self.layers]
-        self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.fuse)
+        self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
         self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
                            for g, ly in zip(self.gate_up, self.layers, strict=True)]
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
@@ -185,8 +186,6 @@ class SlotModel:
         # static RoPE variants: cos/sin depend on the position only, so they are computed once per position
         self._rope_static = "dynamic" not in rope_type and rope_type != "longrope" and \
             max_seq_len * self.head_dim <= 2 ** 22
-        from memfit.runtime.fast_stack import build
-
         self.stack = build(self)  # the layers as one C++ call where all of them allow it, else None
 
     def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

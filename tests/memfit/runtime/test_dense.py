@@ -119,7 +119,7 @@ def test_packing_gives_back_the_page_cache_of_zero_copy_weights(tmp_path) -> Non
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
     linear_kib = 4 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4 // 1024  # 16.5 MiB of fp32 Linears
-    shutil.copy(Path(__file__).parent.parent.parent / "models" / "shakespeare-llama" / "tokenizer.json",
+    shutil.copy(Path(__file__).parents[3] / "models" / "shakespeare-llama" / "tokenizer.json",
                 tmp_path / "m")
     loaded = load(str(tmp_path / "m"))
     before = _rss_file_kib()

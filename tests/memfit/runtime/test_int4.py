@@ -1,4 +1,4 @@
-"""memfit.runtime.fuse: one int4 kernel call for q/k/v (or gate/up) equals the separate projections, on any CPU."""
+"""memfit.runtime.int4: one int4 kernel call for q/k/v (or gate/up) equals the separate projections, on any CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import torch
 
 from compress.quant import QuantArgs
 from compress.rtn import rtn
-from memfit.runtime.fuse import _pack_concatenates, fuse
+from memfit.runtime.fuse import fuse
+from memfit.runtime.int4 import FusedInt4Linear, Int4KernelLinear, _pack_concatenates, int4_on_kernels
+from memfit.runtime.linear import INT4, INT4_GATE_UP, weight_format
 from memfit.runtime.qlinear import QuantLinear
 
 
@@ -27,6 +29,7 @@ def test_fused_int4_equals_separate_calls_or_is_refused(rows: list[int]) -> None
     if all(n % 64 == 0 for n in rows):
         assert f is not None
     if f is not None:
+        assert type(f) is FusedInt4Linear and weight_format(f) == "int4_fused" and f.stack_spec(False) is None
         torch.testing.assert_close(f(x), separate, atol=0, rtol=0)
         torch.testing.assert_close(torch.cat([m(x) for m in mods], -1), separate, atol=0, rtol=0)  # views intact
     # every projection's own call is unchanged either way
@@ -56,7 +59,6 @@ def _exact(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
     from memfit.runtime import kernels
-    from memfit.runtime.fuse import Int4KernelLinear, int4_on_kernels
 
     ops = kernels.load("on")
     assert kernels.int4_block() in (32, 64)
@@ -69,6 +71,11 @@ def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
     parent.other = torch.nn.Linear(4, 4)
     assert int4_on_kernels(parent, ops) == 3
     assert type(parent.a) is Int4KernelLinear and type(parent.other) is torch.nn.Linear
+    assert weight_format(parent.a) == "int4_kernel" and weight_format(parent.other) == "fp"
+    # what the C++ layer loop gets: the fused pack as one INT4 projection, no gate/up pairs for 3 unequal parts
+    spec = f.stack_spec(False)
+    assert spec.kind == INT4 and spec.a is f.packed and spec.group == 64 and f.stack_spec(True) is None
+    assert parent.a.stack_spec(False).kind == INT4 and parent.a.stack_spec(True) is None
     for x, ws in zip(xs, want, strict=True):
         torch.testing.assert_close(f(x), torch.cat(ws, -1), atol=1e-4, rtol=1e-4)
         for name, w in zip("abc", ws, strict=True):
@@ -76,3 +83,16 @@ def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
     # the bf16 path of compress's own module stays within bf16 rounding of it
     torch.testing.assert_close(mods[0](xs[1]), want[1][0], atol=0.15, rtol=0.05)
     assert int4_on_kernels(parent, None) == 0
+
+
+def test_equal_halves_fuse_as_silu_pairs() -> None:
+    from memfit.runtime import kernels
+
+    ops = kernels.load("on")
+    gate, up = _linears([128, 128])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    f = fuse([gate, up], ops)
+    assert f.pairs and f.stack_spec(True).kind == INT4_GATE_UP
+    gu = f(x)  # [gate | up] from the same fp32 kernel
+    want = torch.nn.functional.silu(gu[:, :128]) * gu[:, 128:]
+    torch.testing.assert_close(f.silu_mul(x), want, atol=1e-5, rtol=1e-5)
