@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memfit.defaults import max_seq_len
+from memfit.runtime.linear import format_counts
 from memfit.runtime.slot_model import SlotModel
 from serve.engine import Engine
 from serve.errors import APIError, error_body
-from serve.generate import completion_prompts, generate
+from serve.generate import ServedModel, completion_prompts, generate
 from serve.loader import Loaded
 from serve.metrics import Metrics
 from serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -121,6 +122,7 @@ class State:
         self.status = "loading"  # loading | ready | failed | draining
         self.error: str | None = None
         self.engine: Engine | None = None
+        self.served: ServedModel | None = None  # what request handling needs of the loaded model
         self.tok = None
         self.loaded: Loaded | None = None
         self.max_seq_len = 0
@@ -157,6 +159,7 @@ class State:
             self.placement = _placement_info(loaded, sm)
             _warmup(sm)
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
+            self.served = ServedModel(self.name, loaded.tokenizer, loaded.model.config.vocab_size, msl, self.metrics)
             self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics,
                                  own_thread=not cfg.engine_on_event_loop)
             if cfg.engine_on_event_loop:
@@ -179,7 +182,9 @@ def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
     info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device(),
                   "cpu_kernels": ops is not None,  # memfit.runtime.kernels built and in use
                   "packed_linears": packed, "linear_kernel": ("panel" if ops is not None else "onednn") if packed
-                  else "torch", "int4_kernel_linears": getattr(sm, "int4_kernel", 0)}
+                  else "torch", "int4_kernel_linears": getattr(sm, "int4_kernel", 0),
+                  # how many Linears of each weight format the model runs (memfit.runtime.linear.weight_format)
+                  "linear_formats": format_counts(loaded.model)}
     if loaded.plan is not None:
         info.update(loaded.plan.summary())
         info["offloaded_layers"] = len(sm.prefetch.offloaded)
@@ -281,7 +286,7 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
     @app.get("/metrics")
     async def metrics():
         if state.engine is not None:
-            state.engine._update_gauges()
+            state.engine.update_gauges()
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
@@ -306,8 +311,8 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported", param="echo")
-        prompts = completion_prompts(body.prompt, state)
-        return await generate(state, engine, request, body, prompts, chat=False, logprobs=body.logprobs)
+        prompts = completion_prompts(body.prompt, state.served)
+        return await generate(state.served, engine, request, body, prompts, chat=False, logprobs=body.logprobs)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -332,6 +337,6 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
         lp = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        return await generate(state, engine, request, body, [(ids, "")], chat=True, logprobs=lp)
+        return await generate(state.served, engine, request, body, [(ids, "")], chat=True, logprobs=lp)
 
     return app

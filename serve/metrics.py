@@ -36,3 +36,48 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """The engine's observations, recorded in one place: per step (tokens, queue gauges), per sequence
+    (admission, each token's latency, finish). A no-op without a :class:`Metrics` (engines in tests, tools)."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, metrics: Metrics | None):
+        self.m = metrics
+
+    def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
+        if self.m is not None:
+            self.m.running.set(running)
+            self.m.waiting.set(waiting)
+            self.m.kv_usage.set(kv_usage)
+
+    def admitted(self, arrival: float, now: float) -> None:
+        if self.m is not None:
+            self.m.queue_time.observe(now - arrival)
+
+    def token(self, seq, now: float) -> None:
+        """A sequence produced a token at ``now``: time to first token, or the gap since its previous one."""
+        m = self.m
+        if seq.first_token is None:
+            seq.first_token = now
+            if m is not None:
+                m.ttft.observe(now - seq.arrival)
+        elif m is not None:
+            m.itl.observe(now - seq.last_token)
+        seq.last_token = now
+
+    def step(self, prompt_tokens: int, generated: int, kv_usage: float) -> None:
+        m = self.m
+        if m is not None:
+            m.prompt_tokens.inc(prompt_tokens)
+            m.generation_tokens.inc(generated)
+            m.kv_usage.set(kv_usage)
+
+    def finished(self, reason: str, arrival: float, now: float) -> None:
+        m = self.m
+        if m is not None:
+            m.finished.labels(finished_reason=reason).inc()
+            if reason in ("stop", "length"):
+                m.e2e.observe(now - arrival)

@@ -105,3 +105,25 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
         v, i = torch.topk(lp, k)
         top = list(zip(i.tolist(), v.tolist(), strict=True))
     return float(lp[token]), top
+
+
+def sample_rows(samplers: list[SamplerState | None], logits: torch.Tensor) -> list[int | Exception | None]:
+    """The next token of each row of the step's logits [n, V], row i by ``samplers[i]`` (None: skip the row, a
+    cancelled sequence). Plain-greedy rows share one batched argmax. A row whose sampling raises gets the
+    exception in place of its token: it fails that sequence only."""
+    greedy: list[int] | None = None
+    out: list[int | Exception | None] = []
+    for i, st in enumerate(samplers):
+        if st is None:
+            out.append(None)
+            continue
+        try:
+            if st.plain_greedy:
+                if greedy is None:
+                    greedy = greedy_tokens(logits)
+                out.append(greedy[i])
+            else:
+                out.append(st.sample(logits[i]))
+        except Exception as e:  # noqa: BLE001 - reported per sequence by the engine
+            out.append(e)
+    return out

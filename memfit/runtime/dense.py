@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.runtime.linear import NONE, PANEL, PANEL_SILU_PAIRS, StackSpec, is_resident, is_torch_int8
+from memfit.runtime.linear import NONE, PANEL, PANEL_SILU_PAIRS, StackSpec, is_resident, is_torch_int8, weight_format
 
 MODES = ("auto", "on", "off")
 # The batch size oneDNN picks the weight's blocked layout for. Measured on the 2-core AVX-512 host, 2 threads,
@@ -222,7 +222,7 @@ def _candidates(model: nn.Module, ops=None) -> list[tuple[nn.Module, str, nn.Mod
             if ops is not None and is_torch_int8(child):
                 out.append((parent, name, child))
                 continue
-            if type(child) is not nn.Linear or not is_resident(child):
+            if weight_format(child) != "fp" or not is_resident(child):
                 continue
             w = child.weight
             if w.dtype != torch.float32 or w.device.type != "cpu" or w.data_ptr() in shared:
@@ -317,6 +317,6 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
         for name, child in children.items():
             setattr(parent, name, _packed(child, ops))
     for _, _, child in todo:  # nothing else reads these weights now (candidates share no storage)
-        if type(child) is nn.Linear:
+        if weight_format(child) == "fp":
             _drop_file_pages(child.weight.detach(), maps)
     return len(todo)

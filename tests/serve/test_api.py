@@ -183,6 +183,8 @@ def test_health_503_while_loading(model_dir, loaded):
         # serve's default --cpu-kernels auto: the kernels are built here (a compiler is part of the CI image)
         placement = r.json()["placement"]
         assert placement["cpu_kernels"] is True and placement["linear_kernel"] in ("panel", "torch")
+        # the tiny fixture model: every decoder projection counted under its weight format
+        assert sum(placement["linear_formats"].values()) >= 2 * 7
     finally:
         gate.set()
         s.stop()
@@ -325,3 +327,17 @@ def test_chat_logprobs_and_end_of_turn_marker(server, loaded):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                              "top_logprobs": 2}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_completion_echo_whole_and_streamed(server):
+    body = {"model": "tiny", "prompt": "ROMEO.", "max_tokens": 6, "temperature": 0, "echo": True,
+            "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200
+    whole = r.json()["choices"][0]["text"]
+    assert whole.startswith("ROMEO.") and len(whole) > len("ROMEO.")
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        raw = r.read().decode()
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["text"] == "ROMEO."  # the prompt comes first
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole

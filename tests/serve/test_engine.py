@@ -309,3 +309,51 @@ def test_batched_greedy_equals_each_rows_sample():
     assert greedy_tokens(logits) == [greedy.sample(row) for row in logits]
     assert not SamplerState(SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.2), [1], 50).plain_greedy
     assert not SamplerState(SamplingParams(max_tokens=4, temperature=0.7), [1], 50).plain_greedy
+
+
+@pytest.mark.parametrize("on_loop", [False, True])
+def test_request_stream_delivers_each_sequences_events_in_order(loaded, on_loop):
+    """A RequestStream gets every sequence's Events, tagged with its index, from an engine on its own thread or
+    on the stream's event loop; on the loop they go straight into the queue, not through the loop's threadsafe
+    wake-up (a self-pipe write per token)."""
+    import asyncio
+
+    from serve.stream import RequestStream
+
+    tok = loaded.tokenizer
+    sm = SlotModel(loaded.model, 2, 256)
+    prompts = ["ROMEO. But soft", "O", "To be, or not to be"]  # 3 sequences, 2 slots
+
+    async def main():
+        eng = Engine(sm, tok, loaded.eos_ids, prefill_chunk=8, own_thread=not on_loop)
+        task = asyncio.ensure_future(eng.run_async()) if on_loop else None
+        await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), real(*a))[1]
+        try:
+            stream = RequestStream(eng, loaded.model.config.vocab_size)
+            for p in prompts:
+                stream.add(tok(p)["input_ids"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+            stream.submit()
+            got: dict[int, list[Event]] = {0: [], 1: [], 2: []}
+            async for idx, ev in stream:
+                assert got[idx] == [] or got[idx][-1].finish_reason is None  # nothing after the last Event
+                got[idx].append(ev)
+        finally:
+            del loop.call_soon_threadsafe
+            await asyncio.to_thread(eng.stop)
+            if task is not None:
+                await asyncio.wait_for(task, 10)
+        return stream, got, wakeups
+
+    stream, got, wakeups = asyncio.run(main())
+    for i, s in enumerate(stream.seqs):
+        assert got[i][-1].finish_reason == "length" and len(s.out_ids) == 10
+        assert "".join(e.text for e in got[i]) == tok.decode(s.out_ids, skip_special_tokens=True)
+        assert s.out_ids == hf_greedy(loaded, s.prompt_ids, 10)
+    if on_loop:
+        assert len(wakeups) <= 2  # the submit's wake-up, not one per token
+    else:
+        assert len(wakeups) >= 30  # every Event crossed threads

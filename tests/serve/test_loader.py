@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memfit.errors import UserError
-from memfit.runtime.fuse import _pack_concatenates
+from memfit.runtime.int4 import _pack_concatenates
 from memfit.runtime.slot_model import Segment, SlotModel
 from serve.loader import load
 
@@ -77,7 +77,7 @@ def test_compress_4bit_output_serves_and_matches_its_hf_forward(model_dir, tmp_p
     sm = SlotModel(q.model, 2, 64)
     # the int4 q/k/v and gate/up projections run fused (memfit.runtime.fuse); the HF forward below runs them one by one
     assert q.model.model.layers[0].mlp.up_proj.backend == "int4_cpu"
-    # fused wherever the CPU's int4 layout allows it (tests/serve/test_fuse.py); separate calls otherwise
+    # fused wherever the CPU's int4 layout allows it (tests/memfit/runtime/test_int4.py); separate calls otherwise
     ly = q.model.model.layers[0]
     rows = tuple(m.out_features for m in (ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj))
     assert (sm.qkv[0] is not None) == _pack_concatenates(rows)
