@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]' $(CONSTRAINTS)
+	$(PY) -m memfit.runtime.kernels  # memfit's CPU kernels, built once per machine (not at the first request)
 	touch $@
 
 install: $(VENV)/.installed

@@ -24,9 +24,10 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
                    help="fp32 CPU Linears through oneDNN on weights reordered once at load (memfit.runtime): auto "
                         "times both kernels on the model's largest Linear at load and uses oneDNN where faster")
     p.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
-                   help="fused fp32 CPU kernels for RMSNorm, RoPE + KV cache write and decode attention "
-                        "(memfit.runtime.kernels), compiled once per machine with the system C++ compiler (~40 s, then "
-                        "cached): auto falls back to torch ops if the build fails, on makes that an error")
+                   help="memfit's CPU kernels (Linears, norms, RoPE + KV write, attention, the C++ layer loop; "
+                        "memfit.runtime.kernels), compiled once per machine with the system C++ compiler (make install "
+                        "does it; ~1 min, then cached): auto and on refuse to start if the build fails, off runs "
+                        "torch ops (several times slower)")
     p.add_argument("--offload-prefetch", action="store_true",
                    help="load the next offloaded layer on a background thread while the current one runs (off by "
                         "default: on CPU it measured no faster than accelerate's own hooks, bench/placement.py)")

@@ -22,14 +22,20 @@ Outputs equal the torch ops to fp32 rounding (max |diff| ~1e-6). A SiLU*up kerne
 Built with ``torch.utils.cpp_extension.load`` (the system C++ compiler and ninja, ``-O3 -march=native``:
 the machine that runs it compiles it) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), under a name hashed from the sources, their folder and the torch version, so
-checkouts and versions never rebuild over each other's build: ~40 s once each, then a load. ``auto`` falls
-back to torch ops (with a warning) where the build fails, e.g. no compiler; ``on`` makes that an error.
+checkouts and versions never rebuild over each other's build: ~40-60 s once each, then a load. ``make install``
+builds them ahead of time (``python -m memfit.runtime.kernels``), so the first request never pays for it.
+
+Builds are serialized by an OS file lock (released when its process dies, however it dies), under which a lock
+file torch's own build left behind (a build killed mid-way) is removed: two servers starting together both
+end with the kernels, and an interrupted build is redone by the next start instead of leaving every later one
+waiting or running without them. A failed build is an error naming the compiler's message (``auto`` and
+``on`` alike: a server never starts silently several times slower); ``--cpu-kernels off`` runs torch ops.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -38,23 +44,43 @@ from memfit.errors import UserError
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "stack.cpp")
-log = logging.getLogger("memfit.runtime.kernels")
+
+
+def extension_name() -> str:
+    """The kernels' extension name: hashed from the sources, their folder and the torch version."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(f"{CSRC.resolve()}|{torch.__version__}".encode())
+    for f in sorted(CSRC.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return f"memfit_ops_{h.hexdigest()[:12]}"
+
+
+def build_locked(name: str, sources: list[str], **kwargs) -> ModuleType:
+    """``torch.utils.cpp_extension.load`` under an exclusive ``flock`` on the build directory, after removing
+    the lock file of a torch build that was killed (torch's ``FileBaton`` is a plain file that nobody removes
+    then, so every later build would wait on it forever)."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "memfit.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the OS releases it when this process exits or is killed
+        (build_dir / "lock").unlink(missing_ok=True)  # only a dead build can own it while we hold ours
+        return load(name, sources, build_directory=str(build_dir), **kwargs)
 
 
 @functools.cache
 def _build() -> ModuleType | Exception:
     """Build (or load the cached build) once per process; a failure is remembered, not retried per model."""
-    import hashlib
-
-    import torch
-    from torch.utils.cpp_extension import load
-
     try:
-        h = hashlib.sha256(f"{CSRC.resolve()}|{torch.__version__}".encode())
-        for f in sorted(CSRC.iterdir()):
-            h.update(f.name.encode() + f.read_bytes())
-        return load(f"memfit_ops_{h.hexdigest()[:12]}", [str(f) for f in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return build_locked(extension_name(), [str(f) for f in SOURCES],
+                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                            verbose=False)
     except Exception as e:  # compiler, ninja or headers missing, or a failed build
         return e
 
@@ -82,8 +108,16 @@ def int4_block() -> int | None:
     return None
 
 
+def _reason(e: Exception) -> str:
+    """The lines of a failed build that say why (the compiler's errors), not ninja's whole log."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or "not found" in ln.lower()]
+    return "\n".join((errors or lines or [type(e).__name__])[:8])
+
+
 def load(mode: str) -> ModuleType | None:
-    """The compiled kernels for ``mode`` (auto | on | off), or None where torch ops are to be used."""
+    """The compiled kernels for ``mode`` (auto | on: build or load them, a failure is a UserError; off: None,
+    torch ops are used)."""
     if mode not in MODES:
         raise UserError(f"--cpu-kernels must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
@@ -91,8 +125,24 @@ def load(mode: str) -> ModuleType | None:
     built = _build()
     if not isinstance(built, Exception):
         return built
-    if mode == "on":
-        raise UserError(f"--cpu-kernels on: building memfit/runtime/csrc failed: {built}") from built
-    first = (str(built).strip().splitlines() or [type(built).__name__])[0]
-    log.warning("serve: fused CPU kernels unavailable, using torch ops (%s)", first)
-    return None
+    raise UserError(f"--cpu-kernels {mode}: building memfit's CPU kernels (memfit/runtime/csrc) failed; install a "
+                    f"C++ compiler (g++) and ninja, or pass --cpu-kernels off to run on torch ops (several times "
+                    f"slower):\n{_reason(built)}") from built
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m memfit.runtime.kernels``: build the kernels now (``make install`` does), exit 2 if that fails."""
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        ops = load("on")
+    except UserError as e:
+        print(f"memfit.runtime.kernels: error: {e}", file=sys.stderr)
+        return 2
+    print(f"memfit CPU kernels ready ({extension_name()}, {time.perf_counter() - t0:.1f} s): {ops.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
