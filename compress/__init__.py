@@ -1,5 +1,8 @@
-"""memfit compress: quantization (RTN, GPTQ, AWQ, bitsandbytes NF4/int8) into compressed-tensors dirs.
+"""memfit compress: quantization (RTN, GPTQ, AWQ, bitsandbytes NF4/int8), pruning and low-rank factorization
+into compressed-tensors dirs.
 
+Layout: methods.py (the registry: kind, calibration, layer function per method) -> walk.py (the one layer
+walk) <- quantize.py / prune.py (drivers) <- recipe.py (typed `compress pipeline` recipes) <- cli.py.
 `compress.load(path, device="cpu")` returns a ready-to-run model for any memfit output or plain HF dir.
 """
 

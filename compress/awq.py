@@ -20,7 +20,6 @@ from compress.quant import QuantArgs, Quantized
 from compress.rtn import rtn
 from memfit.errors import UserError
 
-NEEDS_CALIBRATION = True
 GRID = 20
 SAMPLE_TOKENS = 4096  # tokens kept per Linear input for the scale search
 CLIP_TOKENS = 512

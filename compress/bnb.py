@@ -18,8 +18,6 @@ from memfit.errors import UserError
 from memfit.hf import load_pretrained, nf4_config
 from memfit.modeldir import atomic_dir, copy_side_files
 
-NEEDS_CALIBRATION = False
-
 
 def quantize(model_dir: str, out: Path, method: str, bits: int, skip: list[str], trust_remote_code: bool = False,
              device: str = "cpu") -> dict[str, Any]:

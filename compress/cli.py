@@ -1,4 +1,8 @@
-"""`compress` CLI: quantize, eval, info. Bad input -> message on stderr and exit code 2."""
+"""`compress` CLI: quantize, prune, lowrank, pipeline, eval, info. Bad input -> message on stderr and exit 2.
+
+Method choices, defaults and what a command loads (calibration text, a tokenizer) come from the method
+registry (methods.py); the work is done by quantize.py, prune.py and recipe.py, which never import this.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,18 @@ from pathlib import Path
 
 import torch
 
-from compress import calib
-from compress.evaluate import decode_speed, describe, format_table, perplexity
+from compress import bnb, calib, methods
+from compress.calib import Calibration, check_sizes
+from compress.evaluate import EVAL_SEQLEN, decode_speed, describe, format_table, perplexity
+from compress.loader import load
+from compress.lowrank import check_ratio
+from compress.prune import lowrank_model, prune_model, resolve_sparsity
 from compress.quant import SUPPORTED_BITS
+from compress.quantize import QuantizeOptions, quantize_model
+from compress.recipe import run_recipe
+from memfit.defaults import CALIB_SAMPLES, CALIB_SEQLEN, GROUP_SIZE
 from memfit.errors import UserError
 from memfit.modeldir import check_model_dir, check_output_dir
-
-# Best measured method per width on models/shakespeare-llama (bench/results/quantize.md).
-DEFAULT_METHOD = {2: "gptq", 3: "gptq", 4: "gptq", 8: "rtn"}
-CALIBRATED = ("gptq", "awq")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,26 +31,36 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
+def _calib_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", nargs="+", default=None, metavar="FILES",
+                   help="calibration text files or dirs (default: Shakespeare training split in "
+                   f"{calib.SHAKESPEARE}, all but the held-out plays); only calibrated methods read it")
+    p.add_argument("--calib-samples", type=int, default=CALIB_SAMPLES)
+    p.add_argument("--calib-seqlen", type=int, default=CALIB_SEQLEN)
+
+
+def _methods_help(kind: methods.Kind) -> str:
+    return "; ".join(f"{m.name}: {m.summary}{' (calibrated)' if m.calibrated else ''}"
+                     for m in methods.METHODS.values() if m.kind == kind and m.listed)
+
+
 def _add_quantize(sub) -> None:
-    defaults = ", ".join(f"{b}-bit: {m}" for b, m in DEFAULT_METHOD.items())
+    defaults = ", ".join(f"{b}-bit: {m}" for b, m in methods.DEFAULT_QUANTIZE.items())
     p = sub.add_parser("quantize", help="quantize a model dir", description="Quantize a Hugging Face causal LM dir "
                        "layer by layer into a compressed-tensors (pack-quantized) dir; nf4/int8 use bitsandbytes.")
     p.add_argument("model", help="input model dir (safetensors)")
     p.add_argument("-o", "--output", required=True, help="output dir (refused if it exists, unless --overwrite)")
     p.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS, help="bits per weight (default 4)")
-    p.add_argument("--group-size", type=int, default=128, help="input columns per scale (default 128); layers it "
-                   "does not divide get the largest divisor (noted), unless --no-group-fallback")
+    p.add_argument("--group-size", type=int, default=GROUP_SIZE, help=f"input columns per scale (default "
+                   f"{GROUP_SIZE}); layers it does not divide get the largest divisor (noted), unless "
+                   "--no-group-fallback")
     p.add_argument("--no-group-fallback", action="store_true", help="refuse layers the group size does not divide")
-    p.add_argument("--method", choices=("rtn", "gptq", "awq", "nf4", "int8"), default=None,
-                   help=f"default: the best measured at that width ({defaults})")
+    p.add_argument("--method", choices=methods.names("quantize"), default=None,
+                   help=f"{_methods_help('quantize')}. Default: the best measured at that width ({defaults})")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric (no zero points)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric (default)")
-    p.add_argument("--calib", nargs="+", default=None, metavar="FILES",
-                   help="calibration text files or dirs for gptq/awq (default: Shakespeare training split in "
-                   f"{calib.SHAKESPEARE}, all but the held-out plays)")
-    p.add_argument("--calib-samples", type=int, default=128)
-    p.add_argument("--calib-seqlen", type=int, default=512)
+    _calib_flags(p)
     p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing Hessian diagonal")
     p.add_argument("--mse-clip", action="store_true", help="rtn/gptq/awq: per group, shrink the range to the "
                    "clipping that minimises the weight error (GPTQ's mse option); off by default, as in GPTQModel")
@@ -55,36 +72,95 @@ def _add_quantize(sub) -> None:
     p.set_defaults(func=cmd_quantize)
 
 
-def cmd_quantize(a: argparse.Namespace) -> int:
-    from compress import bnb, pipeline
-    from memfit.hf import load_tokenizer
+def _skip(a: argparse.Namespace) -> list[str]:
+    return [s.strip() for s in a.skip.split(",") if s.strip()]
 
+
+def _check_dirs(a: argparse.Namespace) -> None:
+    check_model_dir(a.model)  # no weights / pickle-only: refused before any work
+    check_output_dir(a.model, a.output, a.overwrite)
+
+
+def _calibration(a: argparse.Namespace, method: methods.Method) -> Calibration | None:
+    """The calibration the method needs (the registry says whether), or None: no files, no tokenizer."""
+    check_sizes(a.calib_samples, a.calib_seqlen)
+    return method.calibration(a.calib, a.calib_samples, a.calib_seqlen, a.seed)
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
     out = Path(a.output)
-    model = Path(a.model)
-    check_model_dir(model)  # no weights / pickle-only: refused before any work
-    check_output_dir(model, out, a.overwrite)
+    method = methods.get(a.method or methods.default("quantize", a.bits), "quantize")
+    _check_dirs(a)
     if a.group_size <= 0:
         raise UserError(f"--group-size must be positive, got {a.group_size}")
-    if a.calib_samples <= 0 or a.calib_seqlen <= 1:
-        raise UserError("--calib-samples must be > 0 and --calib-seqlen > 1")
-    method = a.method or DEFAULT_METHOD[a.bits]
-    skip = [s.strip() for s in a.skip.split(",") if s.strip()]
-    if method in ("nf4", "int8"):
-        summary = bnb.quantize(str(model), out, method, a.bits, skip, a.trust_remote_code)
+    cal = _calibration(a, method)
+    if method.layer is None:  # bitsandbytes: the whole model at load time
+        summary = bnb.quantize(a.model, out, method.name, a.bits, _skip(a), a.trust_remote_code)
     else:
-        files: list[Path] = []
-        tok = None
-        if method in CALIBRATED:
-            files = calib.calibration_files(method, a.calib)
-            tok = load_tokenizer(str(model), a.trust_remote_code)
-        opt = pipeline.QuantizeOptions(
-            bits=a.bits, group_size=a.group_size, method=method, sym=bool(a.sym), calib_files=files,
-            calib_samples=a.calib_samples, calib_seqlen=a.calib_seqlen, skip=skip,
-            act_order=a.act_order, mse=a.mse_clip,
-            group_fallback=not a.no_group_fallback, trust_remote_code=a.trust_remote_code, seed=a.seed)
-        summary = pipeline.quantize(str(model), out, opt, tok)
-    print(f"wrote {out}: {method} {a.bits}-bit, {summary['quantized']} Linear layers quantized, "
+        opt = QuantizeOptions(bits=a.bits, method=method.name, group_size=a.group_size, sym=bool(a.sym),
+                              calibration=cal, skip=_skip(a), act_order=a.act_order, mse=a.mse_clip,
+                              group_fallback=not a.no_group_fallback, trust_remote_code=a.trust_remote_code)
+        summary = quantize_model(a.model, out, opt)
+    print(f"wrote {out}: {method.name} {a.bits}-bit, {summary['quantized']} Linear layers quantized, "
           f"skipped {', '.join(summary['skipped']) or 'none'}")
+    return 0
+
+
+def _compress_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="input model dir (safetensors, dense)")
+    p.add_argument("-o", "--output", required=True, help="output dir (refused if it exists, unless --overwrite)")
+    _calib_flags(p)
+    p.add_argument("--skip", default="lm_head", help="comma-separated module names/patterns left dense "
+                   "(only decoder-layer Linears are ever compressed; lm_head and embeddings stay fp16)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_prune_lowrank_pipeline(sub) -> None:
+    p = sub.add_parser("prune", help="prune Linear weights (magnitude, Wanda, SparseGPT; unstructured or N:M)",
+                       description="Prune the decoder-layer Linears; weights stored in the sparse-bitmask layout.")
+    _compress_common(p)
+    p.add_argument("--sparsity", type=float, default=None, help="fraction of weights removed, in (0, 1) "
+                   "(default 0.5; N:M patterns imply 1 - N/M)")
+    p.add_argument("--method", choices=methods.names("prune"), default=methods.default("prune"),
+                   help=_methods_help("prune"))
+    p.add_argument("--pattern", default="unstructured", help="unstructured (default) or N:M, e.g. 2:4, 4:8")
+    p.set_defaults(func=cmd_prune)
+    q = sub.add_parser("lowrank", help="factorize Linear weights into two low-rank Linears (SVD, SVD-LLM, ASVD)",
+                       description="W (m x n) -> two Linears of rank k = floor(m*n*ratio/(m+n)).")
+    _compress_common(q)
+    q.add_argument("--ratio", type=float, default=0.8, help="fraction of each factorized Linear's parameters kept")
+    q.add_argument("--method", choices=methods.names("lowrank"), default=methods.default("lowrank"),
+                   help=_methods_help("lowrank"))
+    q.set_defaults(func=cmd_lowrank)
+    r = sub.add_parser("pipeline", help="run a recipe of steps (e.g. prune 2:4 then quantize 4-bit) into one output")
+    r.add_argument("--config", required=True, help="recipe YAML (see configs/compress/)")
+    r.add_argument("-o", "--output", default=None, help="output dir (default: the recipe's `output`)")
+    r.add_argument("--model", default=None, help="input model dir (default: the recipe's `model`)")
+    r.add_argument("--overwrite", action="store_true")
+    r.set_defaults(func=lambda a: run_recipe(a.config, a.model, a.output, a.overwrite))
+
+
+def cmd_prune(a: argparse.Namespace) -> int:
+    method = methods.get(a.method, "prune")
+    _check_dirs(a)
+    resolve_sparsity(a.sparsity, a.pattern)  # bad numbers before any calibration work
+    s = prune_model(a.model, Path(a.output), a.method, a.sparsity, a.pattern, _calibration(a, method), _skip(a),
+                    trust_remote_code=a.trust_remote_code)
+    print(f"wrote {a.output}: {a.method} {a.pattern}, {s['targets']} Linear layers pruned to sparsity "
+          f"{s['sparsity']:.4f}, skipped {', '.join(s['skipped']) or 'none'}")
+    return 0
+
+
+def cmd_lowrank(a: argparse.Namespace) -> int:
+    method = methods.get(a.method, "lowrank")
+    _check_dirs(a)
+    check_ratio(a.ratio)
+    s = lowrank_model(a.model, Path(a.output), a.method, a.ratio, _calibration(a, method), _skip(a),
+                      trust_remote_code=a.trust_remote_code)
+    print(f"wrote {a.output}: {a.method}, {s['targets']} Linear layers factorized, {s['kept']:.4f} of their "
+          f"parameters kept, skipped {', '.join(s['skipped']) or 'none'}")
     return 0
 
 
@@ -94,7 +170,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--baseline", nargs="*", default=[], help="model dir(s) to compare against")
     p.add_argument("--text", nargs="+", default=None, metavar="FILES",
                    help=f"evaluation text (default: held-out plays {', '.join(calib.HELD_OUT)})")
-    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--seqlen", type=int, default=EVAL_SEQLEN, help="tokens per perplexity window")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate at most this many tokens")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated for the speed measure (0: skip)")
     p.add_argument("--decode-engine", choices=["auto", "serve", "hf"], default="auto",
@@ -106,7 +182,6 @@ def _add_eval(sub) -> None:
 
 def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: int | None, decode_tokens: int,
                   device: str = "cpu", decode_engine: str = "auto") -> list[dict]:
-    import compress
     from memfit.hf import load_tokenizer
 
     rows = []
@@ -115,7 +190,7 @@ def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: 
         info = describe(p)
         if tokens is None:
             tokens = calib.eval_tokens(load_tokenizer(p), files, max_tokens)
-        model = compress.load(p, device=device)
+        model = load(p, device=device)
         if int(tokens.max()) >= model.config.vocab_size:
             raise UserError(f"{p}: evaluation tokens exceed vocab_size; models must share a tokenizer")
         row = {"model": p, "method": info["method"] if info["quant_method"] != "none" else "fp",
@@ -166,9 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_quantize(sub)
     _add_eval(sub)
-    from compress.prune import add_commands  # prune, lowrank, pipeline
-
-    add_commands(sub)
+    _add_prune_lowrank_pipeline(sub)
     i = sub.add_parser("info", help="summary of a model dir (config, quantization, tensors, size)")
     i.add_argument("model")
     i.set_defaults(func=cmd_info)

@@ -16,9 +16,11 @@ from torch import nn
 from compress.store import WeightSource
 from memfit.modeldir import dir_bytes, read_config
 
+EVAL_SEQLEN = 512  # tokens per perplexity window (compress eval --seqlen)
+
 
 @torch.no_grad()
-def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = 512, batch: int = 8) -> float:
+def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = EVAL_SEQLEN, batch: int = 8) -> float:
     """exp(mean next-token NLL) over non-overlapping windows of seqlen tokens."""
     n = (tokens.numel() // seqlen) * seqlen
     windows = [tokens[:n].view(-1, seqlen)] if n else []

@@ -17,8 +17,6 @@ from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized, qparams, quantize_codes
 from compress.rtn import rtn
 
-NEEDS_CALIBRATION = True
-
 
 class Hessian:
     def __init__(self, cols: int) -> None:

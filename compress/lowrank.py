@@ -25,15 +25,19 @@ def rank_for(m: int, n: int, ratio: float) -> int:
     return int(m * n * ratio // (m + n))
 
 
-def check_ranks(shapes: dict[str, tuple[int, int]], ratio: float) -> dict[str, int]:
-    """Rank per module (shape = (out, in)); refuses a ratio that leaves any module with rank < 1."""
+def check_ratio(ratio: float, flag: str = "--ratio") -> None:
     if not 0 < ratio <= 1:
-        raise UserError(f"--ratio must be in (0, 1] (fraction of the parameters kept), got {ratio}")
+        raise UserError(f"{flag} must be in (0, 1] (fraction of the parameters kept), got {ratio:g}")
+
+
+def check_ranks(shapes: dict[str, tuple[int, int]], ratio: float, flag: str = "--ratio") -> dict[str, int]:
+    """Rank per module (shape = (out, in)); refuses a ratio that leaves any module with rank < 1."""
+    check_ratio(ratio, flag)
     ranks = {n: rank_for(m, k, ratio) for n, (m, k) in shapes.items()}
     bad = [n for n, r in ranks.items() if r < 1]
     if bad:
         m, k = shapes[bad[0]]
-        raise UserError(f"--ratio {ratio} gives rank {ranks[bad[0]]} < 1 for {bad[0]} ({m}x{k}): "
+        raise UserError(f"{flag} {ratio} gives rank {ranks[bad[0]]} < 1 for {bad[0]} ({m}x{k}): "
                         f"need ratio >= {(m + k) / (m * k):.4g}")
     return ranks
 

@@ -7,8 +7,6 @@ import torch
 from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized, qparams, quantize_codes
 
-NEEDS_CALIBRATION = False
-
 
 def rtn(w: torch.Tensor, args: QuantArgs) -> Quantized:
     """Round-to-nearest quantization of a 2-D weight (out, in) in groups of args.group_size columns."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from accelerate.utils import set_module_tensor_to_device
 from torch import nn
@@ -71,7 +69,3 @@ def check_no_meta(model: nn.Module, where: str) -> None:
     if left:
         raise UserError(f"{where}: tensors missing from the checkpoint: {', '.join(left[:5])}")
 
-
-def outer_modules(model: nn.Module, layers_name: str) -> list[tuple[str, Any]]:
-    """Parameters outside the decoder layers (embeddings, final norm, lm_head), deduplicated for ties."""
-    return [(n, p) for n, p in model.named_parameters() if not n.startswith(layers_name + ".")]

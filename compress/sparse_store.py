@@ -15,16 +15,16 @@ from memfit.errors import UserError
 SUFFIXES = ("shape", "compressed", "bitmask", "row_offsets")
 
 
-def parse_pattern(pattern: str) -> tuple[int, int] | None:
+def parse_pattern(pattern: str, flag: str = "--pattern") -> tuple[int, int] | None:
     """'unstructured' -> None, 'N:M' -> (N, M): keep N of every M consecutive input weights."""
     if pattern == "unstructured":
         return None
     try:
         n, m = (int(v) for v in pattern.split(":"))
     except ValueError:
-        raise UserError(f"--pattern must be 'unstructured' or N:M like 2:4, got {pattern!r}") from None
+        raise UserError(f"{flag} must be 'unstructured' or N:M like 2:4, got {pattern!r}") from None
     if not 0 < n < m:
-        raise UserError(f"--pattern {pattern}: need 0 < N < M")
+        raise UserError(f"{flag} {pattern}: need 0 < N < M")
     return n, m
 
 

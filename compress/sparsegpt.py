@@ -19,8 +19,6 @@ from compress.quant import QuantArgs, Quantized, qparams, quantize_codes
 from compress.rtn import rtn
 from compress.wanda import magnitude_layer
 
-NEEDS_CALIBRATION = True
-
 
 def sparsegpt(w: torch.Tensor, H: torch.Tensor, sparsity: float = 0.0, nm: tuple[int, int] | None = None,
               quant: QuantArgs | None = None, fixed_mask: torch.Tensor | None = None, blocksize: int = 128,

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import compress
-from compress import calib, rtn
+from compress import calib, methods
 from compress.cli import main
 from memfit.errors import UserError
 
@@ -127,21 +128,21 @@ def test_not_a_model_and_pickle_only(tmp_path: Path, capsys) -> None:
 def test_already_quantized_input_refused(tiny: Path, tmp_path: Path, capsys) -> None:
     assert main(["quantize", str(tiny), "-o", str(tmp_path / "q"), "--method", "rtn"]) == 0
     code, err = run(capsys, "quantize", str(tmp_path / "q"), "-o", str(tmp_path / "q2"), "--method", "rtn")
-    assert code == 2 and "already quantized" in err
+    assert code == 2 and "already compressed" in err and "start from a dense model" in err
 
 
 def test_interrupted_run_leaves_no_loadable_half_output(tiny: Path, tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "q"
-    real = rtn.quantize_layer
+    real = methods.METHODS["rtn"]
     calls = {"n": 0}
 
     def dies_on_second_layer(job):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(job)
+        return real.layer(job)
 
-    monkeypatch.setattr(rtn, "quantize_layer", dies_on_second_layer)
+    monkeypatch.setitem(methods.METHODS, "rtn", replace(real, layer=dies_on_second_layer))
     with pytest.raises(KeyboardInterrupt):
         main(["quantize", str(tiny), "-o", str(out), "--method", "rtn"])
     assert not out.exists()
@@ -149,9 +150,9 @@ def test_interrupted_run_leaves_no_loadable_half_output(tiny: Path, tmp_path: Pa
     with pytest.raises(UserError):
         compress.load(out)
     # an interrupted --overwrite keeps the previous complete output
-    monkeypatch.setattr(rtn, "quantize_layer", real)
+    monkeypatch.setitem(methods.METHODS, "rtn", real)
     assert main(["quantize", str(tiny), "-o", str(out), "--method", "rtn", "--bits", "8"]) == 0
-    monkeypatch.setattr(rtn, "quantize_layer", dies_on_second_layer)
+    monkeypatch.setitem(methods.METHODS, "rtn", replace(real, layer=dies_on_second_layer))
     calls["n"] = 0
     with pytest.raises(KeyboardInterrupt):
         main(["quantize", str(tiny), "-o", str(out), "--method", "rtn", "--bits", "4", "--overwrite"])

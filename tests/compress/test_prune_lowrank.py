@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import compress
 from compress import calib, lowrank
+from compress.calib import Calibration
 from compress.cli import main
 from compress.gptq import Hessian
 from compress.loader import load
@@ -25,8 +26,8 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def copts(calib_file: Path) -> dict:
-    return {"files": [calib_file], "samples": 8, "seqlen": 64, "seed": 0}
+def copts(calib_file: Path) -> Calibration:
+    return Calibration((calib_file,), samples=8, seqlen=64)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -73,7 +74,7 @@ def test_wanda_metric_per_row_from_one_pass_of_the_unpruned_layer(tiny: Path, nm
     the Linear's input in the layer before any of its Linears is pruned (as the authors' code does)."""
     from compress import wanda
     from compress.layerjob import LayerJob
-    from compress.pipeline import capture_inputs
+    from compress.walk import capture_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
     layer = model.model.layers[0]
@@ -133,8 +134,7 @@ def test_rank_arithmetic(tiny: Path, tmp_path: Path) -> None:
     assert lowrank.rank_for(256, 704, 0.8) == 150 and lowrank.rank_for(256, 256, 0.8) == 102
     assert lowrank.rank_for(128, 320, 0.5) == 45  # floor(128*320*0.5/448) = floor(45.7)
     out = tmp_path / "lr"
-    s = lowrank_model(str(tiny), out, "svd", 0.5, {"files": [], "samples": 1, "seqlen": 2, "seed": 0}, ["lm_head"],
-                      progress=False)
+    s = lowrank_model(str(tiny), out, "svd", 0.5, None, ["lm_head"], progress=False)
     src = WeightSource(out)
     kept = orig = 0
     for i in range(2):

@@ -211,7 +211,7 @@ def test_awq_scaling_keeps_the_float_function(tiny: Path) -> None:
     """Folding s into RMSNorm / v_proj / up_proj and 1/s into the next Linears is exact in float."""
     from compress import awq
     from compress.layerjob import LayerJob
-    from compress.pipeline import capture_inputs
+    from compress.walk import capture_inputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
     layer = model.model.layers[0]
@@ -229,10 +229,12 @@ def test_awq_scaling_keeps_the_float_function(tiny: Path) -> None:
 
 
 def test_one_decoder_layer_materialized_at_a_time(tiny: Path, tmp_path: Path, calib_file: Path, monkeypatch) -> None:
-    from compress import gptq, pipeline
+    from dataclasses import replace
+
+    from compress import methods, walk
 
     seen: dict = {}
-    real_layers, real_quant = pipeline.decoder_layers, gptq.quantize_layer
+    real_layers, real_quant = walk.decoder_layers, methods.METHODS["gptq"].layer
 
     def spy_layers(model, config):
         seen["layers"] = real_layers(model, config)[1]
@@ -243,8 +245,8 @@ def test_one_decoder_layer_materialized_at_a_time(tiny: Path, tmp_path: Path, ca
         seen.setdefault("live", []).append(live)
         return real_quant(job)
 
-    monkeypatch.setattr(pipeline, "decoder_layers", spy_layers)
-    monkeypatch.setattr(gptq, "quantize_layer", spy_quant)
+    monkeypatch.setattr(walk, "decoder_layers", spy_layers)
+    monkeypatch.setitem(methods.METHODS, "gptq", replace(methods.METHODS["gptq"], layer=spy_quant))
     quantize(tiny, tmp_path / "q", "--method", "gptq", "--calib", str(calib_file), "--calib-samples", "4",
              "--calib-seqlen", "32")
     assert seen["live"] == [[0], [1]]

@@ -1,0 +1,102 @@
+"""`compress quantize` (and a recipe's quantize step): the layer walk with a quantize method, stored as
+compressed-tensors pack-quantized codes (ctformat.py). Linears outside the decoder layers that are not
+skipped (lm_head with --skip '') get RTN after the walk; a tied lm_head is then untied.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from compress import ctformat, methods, rtn
+from compress.calib import Calibration
+from compress.layerjob import LayerJob
+from compress.quant import QuantArgs, Quantized, resolve_group_size
+from compress.walk import LayerWalk
+from memfit.defaults import GROUP_SIZE
+
+
+@dataclass
+class QuantizeOptions:
+    """How a model is quantized: one field per `compress quantize` flag."""
+
+    bits: int
+    """Bits per weight (quant.SUPPORTED_BITS)."""
+    method: str
+    """A layer-by-layer quantize method of the registry (methods.py): rtn, gptq, awq or sparse-gptq."""
+    group_size: int = GROUP_SIZE
+    """Input columns per scale; layers it does not divide get the largest divisor (see group_fallback)."""
+    sym: bool = False
+    """Symmetric codes (no zero points)."""
+    calibration: Calibration | None = None
+    """Calibration text, for the methods that need it (methods.Method.calibration builds it)."""
+    skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Module names/patterns kept in fp16."""
+    act_order: bool = False
+    """gptq: quantize columns by decreasing Hessian diagonal (static groups)."""
+    mse: bool = False
+    """Per group, shrink the range to the clipping that minimises the weight error (every method)."""
+    group_fallback: bool = True
+    """False: refuse layers the group size does not divide instead of falling back."""
+    trust_remote_code: bool = False
+    """Allow model code from the model dir."""
+    progress: bool = True
+    """A tqdm bar per layer."""
+
+
+def _targets(walk: LayerWalk, opt: QuantizeOptions) -> tuple[dict[str, QuantArgs], dict[str, str]]:
+    """QuantArgs per target module (group size resolved), and the fallback notes (printed once per kind)."""
+    targets: dict[str, QuantArgs] = {}
+    notes: dict[str, str] = {}
+    for name, m in walk.linears.items():
+        if name not in walk.targets and name not in walk.outer:
+            continue
+        g, note = resolve_group_size(name, m.in_features, opt.group_size, opt.group_fallback)
+        targets[name] = QuantArgs(opt.bits, g, opt.sym, opt.mse)
+        if note:
+            notes[name] = note
+    kinds: dict[str, str] = {}
+    for name, note in notes.items():
+        kinds.setdefault(name.split(".")[-1], note)
+    for kind, note in kinds.items():
+        n = sum(1 for k in notes if k.endswith("." + kind) or k == kind)
+        print(f"note: {note} ({n} layer(s) named *{kind})", file=sys.stderr)
+    return targets, notes
+
+
+def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str, Any]:
+    """Quantize model_dir into out (written atomically). Returns a summary dict."""
+    t0 = time.time()
+    method = methods.get(opt.method, "quantize")
+    walk = LayerWalk(model_dir, opt.skip, opt.trust_remote_code, outer=True)
+    targets, notes = _targets(walk, opt)
+    walk.calibrate(method, opt.calibration)
+    quantized: list[str] = []
+
+    def store(job: LayerJob, results: dict[str, Quantized]) -> None:
+        for n, q in results.items():
+            job.linears[n].weight.data = q.dequantize()
+            walk.tensors.update(ctformat.tensors_for(job.prefix + n, q))
+            walk.handled.add(f"{job.prefix}{n}.weight")
+            quantized.append(job.prefix + n)
+
+    walk.run(method, store, {"act_order": opt.act_order}, targets, f"{opt.method} {opt.bits}-bit", opt.progress)
+    untie = False
+    for name, m in walk.outer.items():  # lm_head etc.: RTN
+        walk.tensors.update(ctformat.tensors_for(name, rtn.rtn(m.weight.data, targets[name])))
+        walk.handled.add(f"{name}.weight")
+        quantized.append(name)
+        untie = untie or (walk.tied and name.startswith("lm_head"))
+    c = opt.calibration
+    memfit = {"method": opt.method, "bits": opt.bits, "group_size": opt.group_size, "symmetric": opt.sym,
+              "act_order": opt.act_order, "mse_clip": opt.mse, "skipped": walk.skipped,
+              "group_size_fallbacks": {n: targets[n].group_size for n in notes},
+              "calibration": {"files": len(c.files), "samples": c.samples, "seqlen": c.seqlen}
+              if method.calibrated and c else None}
+    qc = ctformat.quantization_config({n: targets[n] for n in quantized}, memfit)
+    walk.write(out, qc, {"tie_word_embeddings": False} if untie else None)
+    return {"quantized": len(quantized), "skipped": walk.skipped, "seconds": time.time() - t0,
+            "fallbacks": memfit["group_size_fallbacks"]}
