@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress import calib  # noqa: E402
+from compress.calib import Calibration  # noqa: E402
 from compress.cli import main as compress_main  # noqa: E402
 from compress.evaluate import decode_speed, format_table, kl_against, kl_reference, perplexity  # noqa: E402
 from compress.loader import load  # noqa: E402
@@ -68,7 +69,7 @@ def main() -> None:
     files = calib.default_calib_files()
     if not files:
         raise SystemExit("calibration text missing: python -m training.shakespeare --dest .cache/shakespeare")
-    c = {"files": files, "samples": a.calib_samples, "seqlen": a.calib_seqlen, "seed": 0}
+    c = Calibration(tuple(files), a.calib_samples, a.calib_seqlen, 0)
     tokens = calib.eval_tokens(load_tokenizer(model), calib.default_eval_files(), a.max_tokens)
     rows: list[dict] = []
     # KL(fp32 || variant) next to perplexity: a lower-noise measure of the damage when two variants' ppl are close
@@ -96,14 +97,14 @@ def main() -> None:
             setting = pattern if sparsity is None else f"{sparsity:g}"
             out = work / f"prune-{method}-{setting.replace(':', 'of')}"
             t0 = time.time()
-            prune_model(model, out, method, sparsity, pattern, c if method != "magnitude" else {**c, "files": []},
+            prune_model(model, out, method, sparsity, pattern, c if method != "magnitude" else None,
                         ["lm_head"], progress=False)
             record(f"{method} {setting}", "prune", method, setting, out, time.time() - t0)
     for ratio in a.ratios:
         for method in ("svd", "svd-llm", "asvd"):
             out = work / f"lowrank-{method}-{ratio:g}"
             t0 = time.time()
-            lowrank_model(model, out, method, ratio, c if method != "svd" else {**c, "files": []}, ["lm_head"],
+            lowrank_model(model, out, method, ratio, c if method != "svd" else None, ["lm_head"],
                           progress=False)
             record(f"{method} {ratio:g}", "lowrank", method, f"{ratio:g}", out, time.time() - t0)
     if not a.no_pipeline:

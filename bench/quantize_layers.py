@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress import calib, gptq  # noqa: E402
+from compress.calib import Calibration  # noqa: E402
 from compress.evaluate import format_table, perplexity  # noqa: E402
 from compress.loader import load  # noqa: E402
-from compress.pipeline import QuantizeOptions, quantize  # noqa: E402
 from compress.quant import QuantArgs  # noqa: E402
+from compress.quantize import QuantizeOptions, quantize_model  # noqa: E402
 from compress.rtn import rtn  # noqa: E402
 from memfit.hf import load_pretrained, load_tokenizer  # noqa: E402
 
@@ -58,9 +59,9 @@ def main() -> None:
 
     gptq.gptq = spy
     try:
-        opt = QuantizeOptions(bits=a.bits, group_size=128, method="gptq", sym=False,
-                              calib_files=calib.default_calib_files(), calib_samples=a.calib_samples, progress=False)
-        quantize(a.model, Path(a.work), opt, tok)
+        opt = QuantizeOptions(bits=a.bits, group_size=128, method="gptq", sym=False, progress=False,
+                              calibration=Calibration(tuple(calib.default_calib_files()), a.calib_samples))
+        quantize_model(a.model, Path(a.work), opt)
     finally:
         gptq.gptq = real
     fp = load_pretrained(a.model).eval()

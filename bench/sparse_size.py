@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(work / "fp32")
     model.to(torch.float16).save_pretrained(work / "dense-fp16")
     prune_model(str(work / "fp32"), work / "pruned", "magnitude", a.sparsity, "unstructured",
-                {"files": [], "samples": 0, "seqlen": 0, "seed": 0}, ["lm_head"])
+                None, ["lm_head"])
     dense, pruned = dir_bytes(work / "dense-fp16"), dir_bytes(work / "pruned")
     src = WeightSource(work / "dense-fp16")
     emb = src.get("model.embed_tokens.weight")
