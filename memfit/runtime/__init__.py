@@ -5,5 +5,5 @@
   ``qlinear`` (a compress output's Linear), ``quantized`` (the format compress hands over), ``fuse``;
 - ``kernels`` + ``csrc/``: memfit's C++ CPU kernels, compiled on first use for the CPU that runs them;
 - ``slot_model``: the packed slot-cache forward pass; ``fast_stack``: its layers as one C++ call;
-  ``offload``: prefetching offloaded layers.
+  ``modules``: what it checks on an HF module; ``offload``: prefetching offloaded layers.
 """

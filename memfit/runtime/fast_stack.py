@@ -31,7 +31,8 @@ def _norm(norm: nn.Module) -> torch.Tensor | None:
 def build(sm) -> object | None:
     """A LayerStack over ``sm``'s layers, or None where any layer needs the Python loop."""
     ops = sm.ops
-    if ops is None or not hasattr(ops, "LayerStack") or not sm._rope_static or sm.prefetch.enabled:
+    if ops is None or not hasattr(ops, "LayerStack") or not sm.rope.static or sm.prefetch.enabled or \
+            sm.rope.kinds != [None] or any(sm.windows) or any(sm.sandwich):
         return None
     if sm.dtype != torch.float32 or any(d.type != "cpu" for d in sm.layer_devices) or \
             any(k.dtype != torch.float32 for k in sm.k_cache):

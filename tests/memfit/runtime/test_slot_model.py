@@ -39,7 +39,7 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     assert (sm.ops is not None) == (kernels == "on")
     # the C++ layer loop takes over where every layer is on the kernels (not qwen3's q/k norms, dynamic RoPE)
     assert (sm.stack is not None) == (kernels == "on" and dense == "on" and kind in ("default", "llama3"))
-    assert sm._rope_static == (kind != "dynamic")
+    assert sm.rope.static == (kind != "dynamic")
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
     out = sm.forward(torch.cat([a[:38], b[:10]]), [Segment(0, 0, 38), Segment(1, 0, 10)])
     torch.testing.assert_close(out[0], ref_a[37], atol=1e-4, rtol=1e-4)
@@ -56,7 +56,7 @@ def test_rope_table_equals_the_rotary_module():
     sm = SlotModel(model, 1, 64)
     h = torch.zeros(1, 5, 64)
     pos = torch.tensor([0, 7, 31, 40, 63])
-    cos, sin = sm._rope(h, pos)
+    cos, sin = sm.rope(h, pos)
     rc, rs = model.model.rotary_emb(h, pos[None])
     torch.testing.assert_close(cos[:, 0], rc[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(sin[:, 0], rs[0], atol=1e-6, rtol=0)

@@ -1,0 +1,126 @@
+"""Attention of one decoder layer over the slot KV cache, for a step's decodes and prefill chunks (the Python
+reference path of SlotModel; the C++ layer loop does the same in csrc/attention.cpp).
+
+Decodes (1 token each) are attended as one padded batch, prefill chunks one by one. memfit's kernels run
+where they apply (CPU, fp32); torch's SDPA everywhere else. Sliding-window layers (Gemma 2/3, Qwen2 windows)
+attend to the last ``window`` positions only: HF's rule, key j is seen by query i when i - window < j <= i.
+While no sequence of the step is past its window that is plain causal attention and the fast paths run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class StepLayout:
+    """Where a step's tokens are: decodes and prefill chunks, as SlotModel._forward lays them out."""
+
+    offsets: list[int]  # first token row of each segment
+    pre: list  # (segment index, Segment) of the prefill chunks
+    dec_idx: list[int]  # segment indices of the decodes
+    dec_slots: list[int]
+    dec_lens: list[int]  # positions each decode attends to (its position + 1)
+    all_dec: bool  # every segment is a decode: token order == decode order
+    contiguous: bool  # the decodes' slots are consecutive (a slice of the cache, no gather)
+
+    @property
+    def dec_max(self) -> int:
+        return max(self.dec_lens) if self.dec_lens else 0
+
+
+def prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                         scale: float) -> torch.Tensor:
+    """Attention of a later prefill chunk q [1, H, n, D] over its slot's keys [0, start + n): the cached prefix
+    unmasked, the chunk itself causally. Two flash calls merged by their logsumexp (as vLLM's merge_attn_states)
+    rather than one SDPA call with an [n, end] mask, because the mask and SDPA's float copy of it are a chunk's
+    largest allocation (2.5 MB per layer at n=256, end=2048); the same as csrc/stack.cpp. GQA needs no repeat:
+    the CPU flash kernel takes fewer key heads."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_a, lse_a = flash(q, k[:, :, :start], v[:, :, :start], scale=scale)
+    o_b, lse_b = flash(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)
+    # softmax over both parts = the parts' outputs weighted by sigmoid(lse_a - lse_b) and its complement
+    w = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    if q.dtype == torch.float32:
+        return torch.lerp(o_b, o_a, w)
+    return torch.lerp(o_b.float(), o_a.float(), w).to(q.dtype)
+
+
+def _window_mask(q_pos: torch.Tensor, lo: int, hi: int, window: int) -> torch.Tensor:
+    """[len(q_pos), hi - lo] bool: key positions lo..hi-1 that each query position sees under a sliding window."""
+    j = torch.arange(lo, hi, device=q_pos.device)[None, :]
+    i = q_pos[:, None]
+    return (j <= i) & (j > i - window)
+
+
+def _decodes(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay: StepLayout, ops, scale: float,
+             window: int | None) -> torch.Tensor:
+    """[n decodes, H, D] attention outputs of the step's decodes."""
+    H, KV = q.shape[1], kc.shape[1]
+    qd = q if lay.all_dec else q[ix["dec_tok"]]
+    dec_max = lay.dec_max
+    windowed = window is not None and dec_max > window
+    if ops is not None and not windowed:
+        return ops.decode_attention(qd, kc, vc, ix["dec_slots"], ix["dec_len"], scale)
+    lo = max(0, min(lay.dec_lens) - window) if windowed else 0  # keys before lo are outside every window
+    if lay.contiguous:
+        a = lay.dec_slots[0]
+        kd, vd = kc[a:a + len(lay.dec_slots), :, lo:dec_max], vc[a:a + len(lay.dec_slots), :, lo:dec_max]
+    else:
+        kd, vd = kc[ix["dec_slots"], :, lo:dec_max], vc[ix["dec_slots"], :, lo:dec_max]
+    if windowed:
+        mask = _window_mask(ix["dec_len"] - 1, lo, dec_max, window)[:, None, None, :]
+    else:
+        mask = ix["dec_mask"]  # None when every decode attends to the same number of positions
+    od = F.scaled_dot_product_attention(qd[:, :, None, :], kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask,
+                                        scale=scale, enable_gqa=KV != H)
+    return od[:, :, 0, :]
+
+
+def _chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: int, start: int, scale: float,
+           window: int | None) -> torch.Tensor:
+    """[n, H, D] attention of one prefill chunk q [n, H, D] at positions start.. over its slot's cache."""
+    n, H = q.shape[0], q.shape[1]
+    end = start + n
+    gqa = kc.shape[1] != H
+    qp = q.transpose(0, 1)[None]  # [1, H, n, D]
+    if window is not None and end > window:
+        lo = max(0, start - window + 1)
+        kp, vp = kc[slot:slot + 1, :, lo:end].to(q.dtype), vc[slot:slot + 1, :, lo:end].to(q.dtype)
+        mask = _window_mask(torch.arange(start, end, device=q.device), lo, end, window)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return op[0].transpose(0, 1)
+    kp, vp = kc[slot:slot + 1, :, :end].to(q.dtype), vc[slot:slot + 1, :, :end].to(q.dtype)
+    if start == 0:
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif q.device.type == "cpu":
+        op = prefix_attention_cpu(qp, kp, vp, start, scale)
+    else:
+        mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return op[0].transpose(0, 1)
+
+
+def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay: StepLayout, ops, scale: float,
+           window: int | None = None) -> torch.Tensor:
+    """Attention outputs [T, H, D] of a step's queries q [T, H, D] (RoPE applied, K/V already in the cache)."""
+    T, H, D = q.shape
+    if lay.dec_idx and lay.all_dec:
+        return _decodes(q, kc, vc, ix, lay, ops, scale, window)
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if lay.dec_idx:
+        out[ix["dec_tok"]] = _decodes(q, kc, vc, ix, lay, ops, scale, window)
+    ours: list[int] = []  # chunks for the kernels' prefill attention (as csrc/stack.cpp does)
+    for i, s in lay.pre:
+        a, n = lay.offsets[i], s.length
+        end = s.start + n
+        if ops is not None and ops.prefill_attention_fits(D, end) and (window is None or end <= window):
+            ours += [a, n, s.slot, s.start]
+            continue
+        out[a:a + n] = _chunk(q[a:a + n], kc, vc, s.slot, s.start, scale, window)
+    if ours:
+        ops.prefill_attention(q, kc, vc, out, ours, scale)
+    return out
