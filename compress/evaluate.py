@@ -82,6 +82,8 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
     engine="serve": the serve engine's packed forward over a static slot cache (memfit.runtime SlotModel, what
     `serve` runs: fused QKV / gate-up int4 kernels, oneDNN fp32 Linears where timed faster, no per-step cache
     reallocation). It replaces the model's fp32 Linears in place (memfit.runtime.dense): measure "hf" on another copy.
+    For an architecture SlotModel lacks, "serve" measures serve's generic engine (HF's forward and cache, one
+    sequence per call: about what "hf" measures, which `compress eval --decode-engine auto` picks for it).
     The median (not the mean) because the machine may be shared: a descheduled step says little about the model.
     clock=time.process_time counts this process's CPU time only (with 1 torch thread, time spent descheduled by
     other jobs on a shared machine drops out; memory-bandwidth contention does not).
@@ -109,10 +111,13 @@ def decode_speed(model: nn.Module, new_tokens: int = 32, prompt_len: int = 16,
 
 
 def _slot_decode_speed(model: nn.Module, ids: torch.Tensor, new_tokens: int, clock: Callable[[], float]) -> float:
-    from memfit.runtime.slot_model import Segment, SlotModel  # serve builds on compress; imported only when asked for
+    # serve builds on compress; imported only when asked for. make_runner: what `serve` runs for this model (the
+    # packed SlotModel, or for an architecture it lacks HF's forward and cache, memfit.runtime.generic)
+    from memfit.runtime.generic import make_runner
+    from memfit.runtime.slot_model import Segment
 
-    sm = SlotModel(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2, dense_kernel="auto",
-                   cpu_kernels="auto")
+    sm = make_runner(model, max_batch=1, max_seq_len=len(ids) + new_tokens + 2, dense_kernel="auto",
+                     cpu_kernels="auto")
     nxt = sm.forward(ids, [Segment(0, 0, len(ids))]).argmax(-1)
     pos, times = len(ids), []
     for i in range(new_tokens + 2):

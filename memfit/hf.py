@@ -2,6 +2,8 @@
 
 Policy: safetensors only unless the user passes --allow-pickle; no ``trust_remote_code`` unless asked by
 flag; no layer kernels fetched from the Hub (transformers' ``use_kernels``); nothing downloaded at run time.
+Every stage runs causal decoders (``AutoModelForCausalLM``): other checkpoints are refused by their config,
+before any weight is read, with a message naming the architecture.
 """
 
 from __future__ import annotations
@@ -12,13 +14,47 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from memfit.errors import UserError
-from memfit.modeldir import check_model_dir, weight_files
+from memfit.modeldir import check_model_dir, read_config, weight_files
+
+# class-name endings of the checkpoints AutoModelForCausalLM runs as saved: a head that predicts the next token
+# (ForConditionalGeneration: multimodal decoders such as Gemma 3; encoder-decoders are refused before this)
+_LM_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def not_causal_decoder(config: dict | object) -> str | None:
+    """Why the model of ``config`` (config.json as a dict, or a transformers config) is not a causal decoder
+    that ``AutoModelForCausalLM`` runs, or None where it is (as far as the config tells: BERT-style encoders
+    that transformers also maps to a causal head are caught by their ``architectures``, else at run time by
+    memfit.runtime.generic's causality probe)."""
+    def get(key: str):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    mt, archs = get("model_type"), list(get("architectures") or [])
+    arch = archs[0] if archs else "no architectures listed"
+    if not mt:
+        return f"config.json has no model_type ({arch}): memfit runs AutoModelForCausalLM models"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if get("is_encoder_decoder"):
+        why = "an encoder-decoder"
+    elif "AutoModelForCausalLM" in (get("auto_map") or {}):
+        return None  # remote code names its own causal LM class (its architectures may name the base model)
+    elif mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        why = "AutoModelForCausalLM has no class for it (an encoder-only, vision or speech model)"
+    elif archs and not any(a.endswith(_LM_HEADS) for a in archs):
+        why = "the checkpoint has no causal LM head"
+    else:
+        return None
+    return f"architecture {mt!r} ({arch}) is not a causal decoder: {why}; memfit runs AutoModelForCausalLM models"
 
 
 def load_pretrained(path: str, allow_pickle: bool = False, trust_remote_code: bool = False, flag: str = "model_path",
                     **kwargs: Any) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a checked model dir, fp32 unless ``dtype`` says otherwise."""
     check_model_dir(path, flag, allow_pickle)
+    problem = not_causal_decoder(read_config(path, flag))  # before the weights: AutoModelForCausalLM would load
+    if problem:  # a BertModel as BertLMHeadModel (a random head) or fail with a list of 200 model types
+        raise UserError(f"{flag}: {problem}")
     # transformers (>= 5.2x, with its `kernels` dependency) swaps layers for kernels it downloads from the Hub
     # (kernels-community/*) when a model is loaded on a GPU or put in train mode: code fetched at run time, which
     # memfit never runs (no hub access, as with trust_remote_code). Offline that load failed outright (seen on an

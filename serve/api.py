@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memfit.defaults import max_seq_len
+from memfit.runtime.generic import PACKED, HFCacheModel, make_runner
 from memfit.runtime.linear import format_counts
 from memfit.runtime.slot_model import SlotModel
 from serve.engine import Engine
@@ -149,9 +150,11 @@ class State:
             loaded = self.load_fn()
             cfg = self.cfg
             msl = max_seq_len(loaded.model.config, cfg.max_seq_len)
-            sm = SlotModel(loaded.model, cfg.max_batch, msl,
-                           prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
-                           cpu_kernels=cfg.cpu_kernels)
+            # the packed engine where it knows the architecture, else HF's own forward and cache (slower);
+            # tensor parallel is the packed engine's only
+            sm = make_runner(loaded.model, cfg.max_batch, msl, generic_ok=loaded.tp == 1,
+                             prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
+                             cpu_kernels=cfg.cpu_kernels)
             if loaded.tp > 1:
                 from serve.tp import Driver
 
@@ -177,14 +180,17 @@ class State:
             self.ready_event.set()
 
 
-def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
+def _placement_info(loaded: Loaded, sm: SlotModel | HFCacheModel) -> dict:
     packed, ops = getattr(sm, "dense_packed", 0), getattr(sm, "ops", None)
-    info: dict = {"tp": loaded.tp, "kv_cache_bytes": sm.cache_bytes_per_device(),
+    info: dict = {"engine": getattr(sm, "engine", PACKED), "tp": loaded.tp,
+                  "kv_cache_bytes": sm.cache_bytes_per_device(),  # the generic engine's: held now, grows
                   "cpu_kernels": ops is not None,  # memfit.runtime.kernels built and in use
                   "packed_linears": packed, "linear_kernel": ("panel" if ops is not None else "onednn") if packed
                   else "torch", "int4_kernel_linears": getattr(sm, "int4_kernel", 0),
                   # how many Linears of each weight format the model runs (memfit.runtime.linear.weight_format)
                   "linear_formats": format_counts(loaded.model)}
+    if getattr(sm, "reason", ""):  # why the generic engine runs it
+        info["engine_reason"] = sm.reason
     if loaded.plan is not None:
         info.update(loaded.plan.summary())
         info["offloaded_layers"] = len(sm.prefetch.offloaded)
@@ -192,7 +198,7 @@ def _placement_info(loaded: Loaded, sm: SlotModel) -> dict:
     return info
 
 
-def _warmup(sm: SlotModel) -> None:
+def _warmup(sm: SlotModel | HFCacheModel) -> None:
     import torch
 
     from memfit.runtime.slot_model import Segment

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tp_worker(args: argparse.Namespace) -> int:
     """Ranks 1..N-1 of ``--tp N``: load this rank's shard, then run the steps rank 0 broadcasts."""
-    from memfit.runtime.slot_model import SlotModel
+    from memfit.runtime.generic import make_runner
     from serve import tp
     from serve.loader import load
 
@@ -169,8 +169,13 @@ def _tp_worker(args: argparse.Namespace) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
     msl = max_seq_len(loaded.model.config, args.max_seq_len)  # as rank 0's State.load
-    tp.worker_loop(SlotModel(loaded.model, args.max_batch, msl, dense_kernel=args.dense_kernel,
-                             cpu_kernels=args.cpu_kernels))
+    try:  # tensor parallel runs on the packed engine only: an architecture it lacks is refused, as on rank 0
+        sm = make_runner(loaded.model, args.max_batch, msl, generic_ok=False, dense_kernel=args.dense_kernel,
+                         cpu_kernels=args.cpu_kernels)
+    except UserError as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 2
+    tp.worker_loop(sm)
     return 0
 
 

@@ -43,3 +43,24 @@ def plain_forward(module: torch.nn.Module):
     hooks = (module._forward_hooks, module._forward_pre_hooks, nn_module._global_forward_hooks,
              nn_module._global_forward_pre_hooks)
     return module if any(hooks) else module.forward
+
+
+def rms_norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """(w, eps) such that ``norm(x) == x * rsqrt(mean(x^2) + eps) * w`` for fp32 x, or None (then the module runs).
+
+    Llama-family norms scale by their weight, Gemma's by (1 + weight): which one a module computes is probed
+    on a random input once, not inferred from its class name."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if w is None or eps is None or w.dim() != 1 or w.dtype != torch.float32 or w.is_meta or \
+            getattr(norm, "_hf_hook", None) is not None or not type(norm).__name__.endswith("RMSNorm"):
+        return None
+    w = w.detach()
+    x = torch.randn(3, w.numel(), generator=torch.Generator().manual_seed(0)).to(w.device)
+    with torch.no_grad():
+        got = norm(x)
+    base = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    for cand in (w, w + 1):
+        if got.shape == base.shape and torch.allclose(got, base * cand, atol=1e-5, rtol=1e-5):
+            return cand.contiguous(), float(eps)
+    return None

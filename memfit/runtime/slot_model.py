@@ -29,11 +29,16 @@ from memfit.runtime.dense import pack_linears
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
-from memfit.runtime.modules import exec_device, plain_forward, tp_shards
+from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, tp_shards
 from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
 
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
+
+
+class UnsupportedModel(UserError):
+    """A model the packed engine does not run (an architecture or a feature of one): the generic engine
+    (generic.py) runs it instead."""
 
 
 @dataclass
@@ -44,20 +49,6 @@ class Segment:
     start: int
     length: int
     want_logits: bool = True  # logits of the segment's last token are returned
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor, ops=None) -> torch.Tensor:
-    """HF's Llama-family RMSNorm as one fused op: ours (memfit.runtime.kernels) on CPU, else torch's (exactly equal in
-    fp32, half the CPU time of its six-op form at decode sizes); anything else (other dtypes, hooked or other
-    norm types) runs the module."""
-    w = getattr(norm, "weight", None)
-    eps = getattr(norm, "variance_epsilon", None)
-    if eps is None or w is None or x.dtype != torch.float32 or w.dtype != torch.float32 or \
-            getattr(norm, "_hf_hook", None) is not None or not type(norm).__name__.endswith("RMSNorm"):
-        return norm(x)
-    if ops is not None and x.device.type == "cpu" and w.device.type == "cpu":
-        return ops.rms_norm(x, w, eps)
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,11 +77,11 @@ class SlotModel:
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:
-            raise UserError(f"model: architecture {model_type!r} is not supported by the serve engine "
-                            f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})")
+            raise UnsupportedModel(f"model: architecture {model_type!r} is not supported by the serve engine "
+                                   f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})")
         if getattr(cfg, "attn_logit_softcapping", None):
-            raise UserError(f"model: {model_type} with attention logit soft-capping is not supported by the packed "
-                            "engine")
+            raise UnsupportedModel(f"model: {model_type} with attention logit soft-capping is not supported by the "
+                                   "packed engine")
         self.hf = hf_model.eval()
         self.inner = hf_model.model
         self.layers = list(self.inner.layers)
@@ -141,10 +132,23 @@ class SlotModel:
         self.rope = Rope(self.inner.rotary_emb, list(getattr(cfg, "layer_types", None) or [None] * len(self.layers)),
                          max_seq_len, self.head_dim)
         self.windows = [_window(ly, cfg, max_seq_len) for ly in self.layers]
+        # every RMSNorm as (weight, eps) for one fused op (Gemma's (1 + w) folded in); other norms run as modules
+        self._norms = {id(m): spec for m in hf_model.modules() if (spec := rms_norm_weight(m)) is not None}
         # Gemma 2/3: norms after attention and after the MLP too (post_attention_layernorm then is not the MLP's)
         self.sandwich = [hasattr(ly, "pre_feedforward_layernorm") for ly in self.layers]
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.stack = build(self)  # the layers as one C++ call where all of them allow it, else None
+
+    def _rms_norm(self, norm: torch.nn.Module, x: torch.Tensor, ops=None) -> torch.Tensor:
+        """An RMSNorm as one fused op: memfit's kernel on CPU, else torch's (equal in fp32 to the module's six-op
+        form, half its CPU time at decode sizes); other dtypes and norm types run the module."""
+        spec = self._norms.get(id(norm))
+        if spec is None or x.dtype != torch.float32:
+            return norm(x)
+        w, eps = spec
+        if ops is not None and x.device.type == "cpu" and w.device.type == "cpu":
+            return ops.rms_norm(x, w, eps)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
 
     def _param_dtype(self) -> torch.dtype:
         emb = self.inner.embed_tokens
@@ -232,7 +236,7 @@ class SlotModel:
             h = self._python_layers(h, index, lay, keep_t)
         if not want:
             return torch.empty(0, self.vocab_size)
-        hl = _rms_norm(self.inner.norm, h[0], self.ops if h.device.type == "cpu" else None)
+        hl = self._rms_norm(self.inner.norm, h[0], self.ops if h.device.type == "cpu" else None)
         logits = self._lm_head(hl).float().cpu()
         if self.softcap:  # Gemma 2 style final soft-capping, as HF's *ForCausalLM.forward
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -259,7 +263,7 @@ class SlotModel:
             kc, vc = self.k_cache[li], self.v_cache[li]
             cos, sin = ix[f"cos:{self.rope.layer_kinds[li]}"], ix[f"sin:{self.rope.layer_kinds[li]}"]
             ops = self.ops if dev.type == "cpu" and kc.dtype == h.dtype == torch.float32 else None
-            x = _rms_norm(layer.input_layernorm, h, ops)
+            x = self._rms_norm(layer.input_layernorm, h, ops)
             qk_norm = hasattr(attn, "q_norm")  # qwen3, gemma3
             fused = self.qkv[li] is not None
             if fused:
@@ -272,8 +276,8 @@ class SlotModel:
                 k = attn.k_proj(x).view(T, KV, D)
                 v = attn.v_proj(x).view(T, KV, D)
             if qk_norm:
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
+                q = self._rms_norm(attn.q_norm, q, ops)
+                k = self._rms_norm(attn.k_norm, k, ops)
             if ops is not None:
                 # one kernel: RoPE in place on the q and k heads of [T, H + 2 KV, D], then k and v into the cache
                 heads = qkv.view(T, H + 2 * KV, D) if fused and not qk_norm else torch.cat((q, k, v), dim=1)
@@ -300,11 +304,11 @@ class SlotModel:
                    ops) -> torch.Tensor:
         """The layer after attention: residual add, the MLP's norm, the MLP, residual add (Gemma: normed too)."""
         if self.sandwich[li]:
-            h = h + _rms_norm(layer.post_attention_layernorm, attn_out, ops)
-            x = _rms_norm(layer.pre_feedforward_layernorm, h, ops)
+            h = h + self._rms_norm(layer.post_attention_layernorm, attn_out, ops)
+            x = self._rms_norm(layer.pre_feedforward_layernorm, h, ops)
         else:
             h = h + attn_out
-            x = _rms_norm(layer.post_attention_layernorm, h, ops)
+            x = self._rms_norm(layer.post_attention_layernorm, h, ops)
         if self.silu_pairs[li]:
             y = layer.mlp.down_proj(self.gate_up[li].silu_mul(x))  # activation in the GEMM (dense.py)
         elif self.gate_up[li] is not None:
@@ -314,7 +318,7 @@ class SlotModel:
         else:
             y = layer.mlp(x)
         if self.sandwich[li]:
-            y = _rms_norm(layer.post_feedforward_layernorm, y, ops)
+            y = self._rms_norm(layer.post_feedforward_layernorm, y, ops)
         return h + y
 
     def clear_slot(self, slot: int) -> None:
