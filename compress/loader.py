@@ -14,14 +14,15 @@ from compress.store import WeightSource
 from memfit.errors import UserError
 from memfit.hf import load_pretrained
 from memfit.modeldir import read_config
-from memfit.runtime.qlinear import QuantLinear
+from memfit.runtime.qlinear import quant_linear
 
 
 def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
          backend: str | None = None) -> nn.Module:
     """Load a model dir for inference on device: our compressed-tensors output, bitsandbytes, or plain HF.
 
-    backend forces a QuantLinear backend ("dequant" for the exact fp32 reference); default picks the fastest.
+    backend forces a quantized Linear format (memfit.runtime.qlinear; "dequant": the exact fp32 reference);
+    default: the fastest for the device.
     """
     path = str(path)
     src = WeightSource(path)  # validates the dir and every shard header, safetensors only
@@ -45,7 +46,7 @@ def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
     for name, args in per_module.items():
         q = ctformat.read_quantized(src.get, name, args)
         bias = src.get(f"{name}.bias").float() if f"{name}.bias" in src else None
-        model.set_submodule(name, QuantLinear(q, bias, device=dev, backend=backend))
+        model.set_submodule(name, quant_linear(q, bias, device=dev, backend=backend))
     for name, _p in list(model.named_parameters()):
         if name in filled:
             continue

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memfit.defaults import max_seq_len
+from memfit.errors import UserError
 from memfit.runtime.generic import PACKED, HFCacheModel, make_runner
 from memfit.runtime.linear import format_counts
 from memfit.runtime.slot_model import SlotModel
@@ -38,6 +39,7 @@ class ServeConfig:
     served_name: str | None = None
     dtype: str = "auto"
     quantize: str | None = None
+    quantize_embeddings: str | None = None  # "int8": lm_head and input embedding as int8 rows
     max_batch: int = 16
     max_seq_len: int | None = None
     prefill_chunk: int = 256
@@ -155,6 +157,9 @@ class State:
             sm = make_runner(loaded.model, cfg.max_batch, msl, generic_ok=loaded.tp == 1,
                              prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
                              cpu_kernels=cfg.cpu_kernels)
+            if cfg.quantize_embeddings and getattr(sm, "ops", None) is None:
+                raise UserError("--quantize-embeddings needs memfit's CPU kernels (its int8 lm_head runs on them); "
+                                "drop --cpu-kernels off")
             if loaded.tp > 1:
                 from serve.tp import Driver
 
@@ -215,7 +220,7 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
 
         def load_fn():
             return load(cfg.model_path, cfg.dtype, cfg.quantize, placement=cfg.placement, max_batch=cfg.max_batch,
-                        max_seq_len=cfg.max_seq_len, tp=cfg.tp)
+                        max_seq_len=cfg.max_seq_len, tp=cfg.tp, quantize_embeddings=cfg.quantize_embeddings)
 
     state = State(cfg, load_fn)
 

@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = fp32 on CPU")
     p.add_argument("--quantize", choices=["nf4", "int8"], default=None,
                    help="quantize the decoder Linears at load (int8: torch dynamic; nf4: bitsandbytes)")
+    p.add_argument("--quantize-embeddings", choices=["int8"], default=None,
+                   help="store the lm_head and input embedding as int8 rows (one scale per row): a quarter of the "
+                        "bytes a decode step reads for a large vocabulary (Gemma 3: 671 -> 168 MB); opt-in, "
+                        "its quality cost is in bench/results/embeddings.md")
     p.add_argument("--max-batch", type=int, default=16, help="KV-cache slots = max concurrent sequences")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context per slot, prompt + output (default: min(max_position_embeddings, 2048))")
@@ -61,8 +65,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--threads must be in 1..1024, got {args.threads}")
     if not 1 <= args.tp <= 64:
         raise UserError(f"--tp must be in 1..64, got {args.tp}")
-    if args.tp > 1 and (args.device_map or args.max_memory or args.quantize):
-        raise UserError("--tp cannot be combined with --device-map/--max-memory/--quantize")
+    if args.tp > 1 and (args.device_map or args.max_memory or args.quantize or args.quantize_embeddings):
+        raise UserError("--tp cannot be combined with --device-map/--max-memory/--quantize/--quantize-embeddings")
     check_placement(args)
     if args.graceful_timeout < 0:
         raise UserError("--graceful-timeout must be >= 0")
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     from serve.api import ServeConfig, create_app
 
     cfg = ServeConfig(model_path=args.model, served_name=args.served_model_name, dtype=args.dtype,
-                      quantize=args.quantize, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                      quantize=args.quantize, quantize_embeddings=args.quantize_embeddings, max_batch=args.max_batch,
+                      max_seq_len=args.max_seq_len,
                       prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp,
                       dense_kernel=args.dense_kernel, cpu_kernels=args.cpu_kernels,

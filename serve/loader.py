@@ -13,6 +13,7 @@ from memfit.defaults import max_seq_len as default_max_seq_len
 from memfit.errors import UserError
 from memfit.hf import load_pretrained, load_tokenizer, nf4_config
 from memfit.modeldir import check_model_dir, read_config
+from memfit.runtime.embeddings import quantize_vocab_int8
 
 log = logging.getLogger("serve.loader")
 
@@ -72,9 +73,14 @@ def _eos_ids(model: torch.nn.Module, tok) -> set[int]:
 
 
 def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=None, max_batch: int = 16,
-         max_seq_len: int | None = None, tp: int = 1) -> Loaded:
+         max_seq_len: int | None = None, tp: int = 1, quantize_embeddings: str | None = None) -> Loaded:
     """``placement`` (serve.placement.Placement) spreads the model over devices/RAM/disk; ``tp`` > 1 shards
-    it over the torchrun ranks with transformers' tp_plan="auto" (every rank calls this)."""
+    it over the torchrun ranks with transformers' tp_plan="auto" (every rank calls this);
+    ``quantize_embeddings="int8"`` stores the lm_head and input embedding as int8 rows (runtime.embeddings)."""
+    if quantize_embeddings not in (None, "int8"):
+        raise UserError(f"--quantize-embeddings must be int8, got {quantize_embeddings!r}")
+    if quantize_embeddings and (tp > 1 or placement is not None):
+        raise UserError("--quantize-embeddings cannot be combined with --device-map/--max-memory/--tp")
     config = read_config(check_model_dir(path, "--model"), "--model")
     how = None
     compress_load = None
@@ -137,5 +143,12 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
             raise UserError("--quantize: the model is already quantized by compress")
         model = _quantize(model, quantize)
         how = quantize
+    if quantize_embeddings:
+        try:
+            sizes = quantize_vocab_int8(model)
+        except ValueError as e:
+            raise UserError(f"--quantize-embeddings: {e}") from None
+        log.info("vocabulary tables as int8 rows: %.1f -> %.1f MiB", sizes["before_bytes"] / 2**20,
+                 sizes["after_bytes"] / 2**20)
     tok = load_tokenizer(path, flag="--model")
     return Loaded(model, tok, _eos_ids(model, tok), max_positions(model.config), how, plan, tp)

@@ -56,6 +56,11 @@ def available() -> bool:
 Weights = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
+def _is_int8(m: nn.Module) -> bool:
+    """int8 weights the panel kernel runs: torch's dynamic int8 Linear or memfit's int8 rows."""
+    return is_torch_int8(m) or weight_format(m) == "int8_rows"
+
+
 def _has_bias(m: nn.Module) -> bool:
     return (m.bias() if is_torch_int8(m) else m.bias) is not None
 
@@ -65,6 +70,8 @@ def _weights(m: nn.Module | Weights) -> Weights:
     scales for a torch dynamic-quantized Linear (W = codes * scale)."""
     if isinstance(m, tuple):
         return m
+    if weight_format(m) == "int8_rows":  # embeddings.Int8RowsLinear: W = codes * scale per row
+        return m.codes, m.bias, m.scale
     if is_torch_int8(m):
         w, b = m.weight(), m.bias()
         if w.qscheme() == torch.per_tensor_affine:
@@ -219,7 +226,7 @@ def _candidates(model: nn.Module, ops=None) -> list[tuple[nn.Module, str, nn.Mod
     out = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if ops is not None and is_torch_int8(child):
+            if ops is not None and _is_int8(child):
                 out.append((parent, name, child))
                 continue
             if weight_format(child) != "fp" or not is_resident(child):
@@ -291,9 +298,13 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
     todo = _candidates(model, ops)
     if not todo:
         return 0
-    largest = max((c for _, _, c in todo), key=lambda c: c.in_features * c.out_features)
-    if mode == "auto" and not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
-        return 0
+    fp = [c for _, _, c in todo if weight_format(c) == "fp"]
+    if mode == "auto" and fp:  # int8 weights are always packed: their fallbacks dequantize or quantize per call
+        largest = max(fp, key=lambda c: c.in_features * c.out_features)
+        if not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
+            todo = [t for t in todo if weight_format(t[2]) != "fp"]
+            if not todo:
+                return 0
     maps = _file_maps() if sys.platform.startswith("linux") else []
     by_parent: dict[int, tuple[nn.Module, dict[str, nn.Linear]]] = {}
     for parent, name, child in todo:
@@ -302,7 +313,7 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
         for group in FUSE_GROUPS:
             mods = [children.get(n) for n in group]
             if any(m is None for m in mods) or \
-                    len({(m.in_features, is_torch_int8(m), _has_bias(m)) for m in mods}) != 1:
+                    len({(m.in_features, _is_int8(m), _has_bias(m)) for m in mods}) != 1:
                 continue
             if group == ("gate_proj", "up_proj") and ops is not None and mods[0].out_features % 16 == 0 \
                     and mods[0].out_features == mods[1].out_features:

@@ -43,7 +43,7 @@ def _aten_int4(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor,
 
 
 class Int4KernelLinear(nn.Module):
-    """A compress ``QuantLinear`` (int4_cpu backend) on memfit's ``int4_linear``: same packed weight and scales,
+    """A compress ``Int4CpuLinear`` (qlinear.py) on memfit's ``int4_linear``: same packed weight and scales,
     fp32 activations in and out (no bf16 round trip); other input dtypes run the original module."""
 
     FORMAT = "int4_kernel"
@@ -107,7 +107,7 @@ class FusedInt4Linear(nn.Module):
 
 
 def int4_on_kernels(model: nn.Module, ops) -> int:
-    """Swap the model's resident int4_cpu QuantLinears (output size a multiple of the pack's row block) for
+    """Swap the model's resident Int4CpuLinears (output size a multiple of the pack's row block) for
     Int4KernelLinear; returns how many. After ``fuse_int4``: the fused ones' packed weights are views by then."""
     block = int4_block() if ops is not None else None
     if block is None:
@@ -124,7 +124,7 @@ def int4_on_kernels(model: nn.Module, ops) -> int:
 
 def fuse_int4(mods: list[nn.Module], ops=None) -> FusedInt4Linear | None:
     """One FusedInt4Linear computing ``cat([m(x) for m in mods], -1)`` for resident, bias-free int4_cpu
-    QuantLinears of one input size, group size and dtype; None where they cannot be fused."""
+    Int4CpuLinears of one input size, group size and dtype; None where they cannot be fused."""
     if not all(weight_format(m) == "int4_cpu" and m.bias is None and is_resident(m) for m in mods):
         return None
     if len({(m.in_features, m.group_size, m.scale_zeros.dtype) for m in mods}) != 1:

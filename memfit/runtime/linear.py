@@ -13,9 +13,10 @@ quant handlers: a format is packed from its weights once, at load (the class's c
 The formats: ``dense.PanelLinear`` (fp32 or weight-only int8 on memfit's panel GEMM), ``dense.OneDNNLinear``
 (fp32 on oneDNN's reordered weight), ``dense.FusedSlice`` (one projection of a fused one),
 ``int4.Int4KernelLinear`` / ``int4.FusedInt4Linear`` (torch's CPU int4 pack on memfit's kernel, or on aten's
-where memfit's is not built), ``qlinear.QuantLinear`` (a compress output:
-int4_cpu, int4_cuda or dequant backend), and the modules memfit does not own: ``nn.Linear`` (dense
-fallback), torch's dynamic int8 Linear and bitsandbytes' Linear4bit / Linear8bitLt, recognized here only.
+where memfit's is not built), ``qlinear.Int4CpuLinear`` / ``Int4CudaLinear`` / ``DequantLinear`` (a compress
+output on torch's CPU int4 pack, on CUDA's, or dequantized per call), and the modules memfit does not own:
+``nn.Linear`` (dense fallback), torch's dynamic int8 Linear and bitsandbytes' Linear4bit / Linear8bitLt,
+recognized here only.
 ``weight_format`` is the one place that tells them apart.
 """
 

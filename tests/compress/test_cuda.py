@@ -1,4 +1,4 @@
-"""compress on CUDA: the int4_cuda QuantLinear (aten._weight_int4pack_mm, tinygemm layout) and compress outputs
+"""compress on CUDA: the Int4CudaLinear format (aten._weight_int4pack_mm, tinygemm layout) and compress outputs
 loaded onto the GPU, against dequantized-weight references.
 
 Skipped without CUDA. ``MEMFIT_TEST_DEVICE=cpu`` runs the same bodies on CPU, where the int4 backend is
@@ -24,7 +24,7 @@ from compress.evaluate import perplexity
 from compress.quant import QuantArgs
 from compress.rtn import rtn
 from memfit.hf import load_tokenizer
-from memfit.runtime.qlinear import QuantLinear, pick_backend
+from memfit.runtime.qlinear import QUANT_LINEARS, pick_backend, quant_linear
 
 from .conftest import make_model_dir
 from .test_quantize import reference
@@ -64,7 +64,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _kernel_weight(q, out: int, cols: int) -> torch.Tensor:
     """W as the int4 kernels see it: W = (q - 8) * s + z with s and z = (8 - zero) * s each rounded to bf16
-    (QuantLinear stores them as bf16 scale_zeros), computed in fp32."""
+    (the int4 formats store them as bf16 scale_zeros), computed in fp32."""
     g = q.group_size
     s = q.scale.float().to(torch.bfloat16).float()
     z = ((8 - q.zero.float()) * q.scale.float()).to(torch.bfloat16).float()
@@ -78,7 +78,7 @@ def test_int4_linear_matches_its_dequantized_weight(group: int, sym: bool) -> No
     w = torch.randn(out, cols, generator=g) * 0.05
     bias = torch.randn(out, generator=g)
     q = rtn(w, QuantArgs(4, group, sym))
-    ql = QuantLinear(q, bias, device=DEVICE)
+    ql = quant_linear(q, bias, device=DEVICE)
     assert ql.backend == INT4, ql
     assert ql.packed.device.type == DEVICE.type and ql.scale_zeros.dtype == torch.bfloat16
     wk = _kernel_weight(q, out, cols)
@@ -86,7 +86,7 @@ def test_int4_linear_matches_its_dequantized_weight(group: int, sym: bool) -> No
     dq = ql.dequantized_weight()
     assert dq.shape == (out, cols)
     assert _rel_err(dq, wk) <= 2**-7, _rel_err(dq, wk)
-    cpu = QuantLinear(q, bias, device="cpu")  # int4_cpu: the backend the CPU suite tests
+    cpu = quant_linear(q, bias, device="cpu")  # int4_cpu: the backend the CPU suite tests
     for shape in ((1, cols), (5, cols), (33, cols), (2, 7, cols)):  # decode, small and tiled M, 3-D input
         x = torch.randn(*shape, generator=g)
         y = ql(x.to(DEVICE))
@@ -106,7 +106,7 @@ def test_dequant_backend_on_device_is_exact(bits: int, cols: int) -> None:
     # 4-bit with in_features not a multiple of 1024 falls back to dequant on CUDA (int4_cpu takes it on CPU)
     expect = "dequant" if bits != 4 or DEVICE.type == "cuda" else "int4_cpu"
     assert pick_backend(q, DEVICE) == expect
-    ql = QuantLinear(q, None, device=DEVICE, backend="dequant")
+    ql = quant_linear(q, None, device=DEVICE, backend="dequant")
     x = torch.randn(3, cols, generator=g)
     torch.testing.assert_close(ql(x.to(DEVICE)).cpu(), F.linear(x, q.dequantize()), atol=1e-5, rtol=1e-5)
 
@@ -127,7 +127,7 @@ def wide_q4(wide: Path, tmp_path_factory) -> Path:
 @needs_loader
 def test_compress_load_on_device_uses_the_int4_kernel(wide: Path, wide_q4: Path) -> None:
     model = compress.load(wide_q4, device=str(DEVICE))
-    qls = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    qls = [m for m in model.modules() if isinstance(m, QUANT_LINEARS)]
     assert len(qls) == 2 * 7 and {m.backend for m in qls} == {INT4}, {m.backend for m in qls}
     tensors = list(model.parameters()) + list(model.buffers())
     assert all(t.device.type == DEVICE.type for t in tensors)
@@ -142,8 +142,8 @@ def test_compress_load_on_device_uses_the_int4_kernel(wide: Path, wide_q4: Path)
 
 @needs_loader
 def test_slot_model_over_int4_model_matches_its_hf_forward(wide_q4: Path) -> None:
-    """serve's packed forward calls the same QuantLinear modules (q/k/v not fused: memfit.runtime.fuse fuses int4_cpu
-    only) on the GPU."""
+    """serve's packed forward calls the same quantized Linear modules (q/k/v not fused: memfit.runtime.fuse fuses
+    int4_cpu only) on the GPU."""
     from memfit.runtime.slot_model import Segment, SlotModel
 
     model = compress.load(wide_q4, device=str(DEVICE))

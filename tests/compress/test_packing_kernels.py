@@ -7,7 +7,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compress.packing import pack_int32, unpack_int32
 from compress.quant import QuantArgs, dequantize
 from compress.rtn import rtn
-from memfit.runtime.qlinear import QuantLinear
+from memfit.runtime.qlinear import quant_linear
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -53,9 +53,9 @@ def test_int4_kernel_equals_dequantized_matmul(group: int, sym: bool) -> None:
     g = torch.Generator().manual_seed(group)
     w = torch.randn(96, 256, generator=g)
     q = rtn(w, QuantArgs(4, group, sym))
-    fast = QuantLinear(q, torch.randn(96, generator=g))
+    fast = quant_linear(q, torch.randn(96, generator=g))
     assert fast.backend == "int4_cpu"
-    ref = QuantLinear(q, fast.bias, backend="dequant")
+    ref = quant_linear(q, fast.bias, backend="dequant")
     for m in (1, 5, 64):
         x = torch.randn(2, m, 256, generator=g)
         expect = x @ dequantize(q.codes, q.scale, q.zero, group).t() + fast.bias
@@ -68,7 +68,7 @@ def test_int4_kernel_equals_dequantized_matmul(group: int, sym: bool) -> None:
 @pytest.mark.parametrize("bits", [2, 3, 8])
 def test_other_widths_use_dequant_backend(bits: int) -> None:
     q = rtn(torch.randn(32, 128), QuantArgs(bits, 128, False))
-    lin = QuantLinear(q, None)
+    lin = quant_linear(q, None)
     assert lin.backend == "dequant"
     x = torch.randn(3, 128)
     assert torch.allclose(lin(x), x @ q.dequantize().t(), atol=1e-5)

@@ -287,14 +287,14 @@ def test_compress_output_placed_on_gpu(deep_dir, tmp_path):
     from compress.cli import main as compress_main
     from compress.loader import load as compress_load
     from memfit.errors import UserError
-    from memfit.runtime.qlinear import QuantLinear
+    from memfit.runtime.qlinear import QUANT_LINEARS
 
     out = tmp_path / "q4"
     assert compress_main(["quantize", deep_dir, "-o", str(out), "--bits", "4", "--method", "rtn",
                           "--group-size", "32"]) == 0
     ref = compress_load(str(out), backend="dequant")  # the exact dequantized weights, fp32, on CPU
     loaded = load(str(out), placement=Placement({"": 0}), max_batch=2, max_seq_len=64)
-    qls = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    qls = [m for m in loaded.model.modules() if isinstance(m, QUANT_LINEARS)]
     assert qls and all(m.device.type == "cuda" for m in _buffers_and_params(qls))
     sm = SlotModel(loaded.model, 2, 64)
     assert sm.k_cache[0].device.type == "cuda"

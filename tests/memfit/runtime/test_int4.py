@@ -10,12 +10,12 @@ from compress.rtn import rtn
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import FusedInt4Linear, Int4KernelLinear, _pack_concatenates, int4_on_kernels
 from memfit.runtime.linear import INT4, INT4_GATE_UP, weight_format
-from memfit.runtime.qlinear import QuantLinear
+from memfit.runtime.qlinear import Int4CpuLinear, quant_linear
 
 
-def _linears(rows: list[int], k: int = 256) -> list[QuantLinear]:
+def _linears(rows: list[int], k: int = 256) -> list[Int4CpuLinear]:
     g = torch.Generator().manual_seed(sum(rows))
-    return [QuantLinear(rtn(torch.randn(n, k, generator=g), QuantArgs(4, 64, False)), None) for n in rows]
+    return [quant_linear(rtn(torch.randn(n, k, generator=g), QuantArgs(4, 64, False)), None) for n in rows]
 
 
 @pytest.mark.parametrize("rows", [[128, 64, 64], [1408, 1408], [64, 32, 32], [48, 16, 16]])
@@ -44,7 +44,7 @@ def test_pack_probe_accepts_whole_blocks() -> None:
     assert _pack_concatenates((128, 64, 64))
 
 
-def _exact(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+def _exact(m: Int4CpuLinear, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T in fp32 with W = (q - 8) * scale + zero rebuilt from the module's own codes and bf16 scales."""
     from memfit.runtime.kernels import int4_block
 

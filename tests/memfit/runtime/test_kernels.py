@@ -168,14 +168,14 @@ def test_int4_linear_refuses_bad_shapes(ops):
 def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
     from compress.quant import QuantArgs
     from compress.rtn import rtn
-    from memfit.runtime.qlinear import QuantLinear
+    from memfit.runtime.qlinear import quant_linear
 
     block = kernels.int4_block()
     if block is None:
         pytest.skip("torch has no CPU int4 pack here")
     torch.manual_seed(5)
     n, k = 2 * block, 256  # [gate; up], each half one block of outputs
-    ql = QuantLinear(rtn(torch.randn(2 * n, k), QuantArgs(4, 128, False)), None)
+    ql = quant_linear(rtn(torch.randn(2 * n, k), QuantArgs(4, 128, False)), None)
     for rows in (1, 3, 4, 5, 16):
         x = torch.randn(rows, k)
         gu = ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block)
@@ -183,7 +183,7 @@ def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
         torch.testing.assert_close(ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, True), want,
                                    atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="silu_mul"):  # halves that are not whole blocks
-        odd = QuantLinear(rtn(torch.randn(3 * block, k), QuantArgs(4, 128, False)), None)
+        odd = quant_linear(rtn(torch.randn(3 * block, k), QuantArgs(4, 128, False)), None)
         ops.int4_linear(x, odd.packed, odd.scale_zeros, 128, block, True)
 
 

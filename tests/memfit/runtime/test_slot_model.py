@@ -66,7 +66,7 @@ def test_rope_table_equals_the_rotary_module():
 def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
     from compress.quant import QuantArgs
     from compress.rtn import rtn
-    from memfit.runtime.qlinear import QuantLinear
+    from memfit.runtime.qlinear import quant_linear
 
     torch.manual_seed(0)
     cfg = dict(_COMMON, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
@@ -75,7 +75,7 @@ def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if isinstance(child, torch.nn.Linear):
-                    setattr(parent, name, QuantLinear(rtn(child.weight.detach(), QuantArgs(4, 64, False)), None))
+                    setattr(parent, name, quant_linear(rtn(child.weight.detach(), QuantArgs(4, 64, False)), None))
     sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on")
     assert sm.stack is not None and sm.int4_kernel == 2 * 7  # every projection (the fused ones for the HF path)
     a, b = torch.randint(3, 300, (30,)), torch.randint(3, 300, (12,))

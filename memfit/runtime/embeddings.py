@@ -1,0 +1,82 @@
+"""A large vocabulary's tables as int8 rows: the lm_head (a Linear format) and the input embedding (row lookups).
+
+Why: on Gemma 3 270M the tied 262,144 x 640 embedding is 168M of the model's 268M parameters, and a decode
+step reads all of it as the lm_head: 671 MB in fp32, more than every decoder layer together. Stored as int8
+codes with one fp32 scale per row (symmetric, W ~= codes * scale: the format torch's per-channel dynamic int8
+uses), the lm_head reads a quarter of the bytes on memfit's int8 panel kernel (dense.PanelLinear packs it at
+load) and the embedding looks up its rows from the same codes when the two are tied. The quality cost is
+measured, not assumed (bench/embeddings.py reports KL to the fp32 model on held-out text).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [N, K], scale fp32 [N]) with w ~= codes * scale[:, None]; a zero row gets scale 1."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+class Int8RowsLinear(nn.Module):
+    """``y = x @ (codes * scale)^T + b``: this forward is the reference (it dequantizes on every call); with
+    memfit's kernels ``dense.pack_linears`` replaces it by the int8 panel kernel over the same codes."""
+
+    FORMAT = "int8_rows"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.codes.to(x.dtype) * self.scale[:, None].to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class Int8Embedding(nn.Module):
+    """Row lookups from int8 codes and per-row scales, times the model's own embedding scale where it has one
+    (Gemma's sqrt(hidden)), in fp32."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, embed_scale: float | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = codes.shape
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.float())
+        self.embed_scale = embed_scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes[ids].float() * self.scale[ids].unsqueeze(-1)
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+def quantize_vocab_int8(model: nn.Module) -> dict[str, int]:
+    """Replace the model's lm_head (and its input embedding) by int8 rows, sharing one set of codes when the two
+    are tied. Returns the bytes of the tables before and after."""
+    head = getattr(model, "lm_head", None)
+    emb = model.get_input_embeddings()
+    if type(head) is not nn.Linear or not isinstance(emb, nn.Embedding):
+        raise ValueError("quantize_vocab_int8: the model has no plain nn.Linear lm_head and nn.Embedding input")
+    tied = head.weight.data_ptr() == emb.weight.data_ptr()
+    before = head.weight.numel() * head.weight.element_size() * (1 if tied else 2)
+    codes, scale = int8_rows(head.weight)
+    model.lm_head = Int8RowsLinear(codes, scale, head.bias)
+    if not tied:
+        codes_e, scale_e = int8_rows(emb.weight)
+    else:
+        codes_e, scale_e = codes, scale
+    es = getattr(emb, "scalar_embed_scale", None)  # Gemma3TextScaledWordEmbedding
+    if es is None and hasattr(emb, "embed_scale"):
+        es = float(emb.embed_scale)
+    model.set_input_embeddings(Int8Embedding(codes_e, scale_e, es))
+    model.config.tie_word_embeddings = False  # nothing to tie any more: the codes are shared directly
+    after = codes.numel() + scale.numel() * 4 + (0 if tied else codes_e.numel() + scale_e.numel() * 4)
+    return {"before_bytes": before, "after_bytes": after}

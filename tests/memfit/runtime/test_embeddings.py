@@ -1,0 +1,72 @@
+"""memfit.runtime.embeddings: the lm_head and input embedding as int8 rows equal a model whose tables hold the
+dequantized values, on the HF forward and on SlotModel's int8 panel kernel; Gemma's embedding scale kept."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from memfit.errors import UserError
+from memfit.runtime.embeddings import Int8Embedding, int8_rows, quantize_vocab_int8
+from memfit.runtime.linear import weight_format
+from memfit.runtime.slot_model import Segment, SlotModel
+
+_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
+
+
+def _model(kind: str, tied: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gemma3":
+        return Gemma3ForCausalLM(Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=16,
+                                                  query_pre_attn_scalar=16)).eval()
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=tied)).eval()
+
+
+def _dequantized_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The same model with its tables replaced by what int8 rows hold (codes * scale)."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in {id(ref.lm_head.weight): ref.lm_head.weight, id(ref.get_input_embeddings().weight):
+                  ref.get_input_embeddings().weight}.values():
+            codes, scale = int8_rows(t)
+            t.copy_(codes.float() * scale[:, None])
+    return ref
+
+
+def test_int8_rows_error_is_at_most_half_a_step() -> None:
+    w = torch.randn(50, 33) * torch.logspace(-3, 1, 50)[:, None]
+    w[7] = 0
+    codes, scale = int8_rows(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127 and scale[7] == 1
+    assert bool(((codes.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all())
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", True), ("llama", False), ("gemma3", True)])
+def test_int8_tables_equal_the_dequantized_model(kind: str, tied: bool) -> None:
+    model = _model(kind, tied)
+    ref = _dequantized_reference(model)
+    sizes = quantize_vocab_int8(model)
+    assert sizes["after_bytes"] < sizes["before_bytes"] / 3.5
+    emb = model.get_input_embeddings()
+    assert isinstance(emb, Int8Embedding) and weight_format(model.lm_head) == "int8_rows"
+    assert (emb.codes is model.lm_head.codes) == tied  # tied tables share one set of codes
+    ids = torch.randint(3, 320, (1, 30))
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+        torch.testing.assert_close(model(ids).logits[0], want, atol=1e-4, rtol=1e-4)
+    # on the packed engine the lm_head runs on the int8 panel kernel
+    sm = SlotModel(model, 1, 64, dense_kernel="on", cpu_kernels="on")
+    assert weight_format(sm.lm_head) == "panel_int8"
+    out = sm.forward(ids[0], [Segment(0, 0, 30)])
+    torch.testing.assert_close(out[0], want[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_serve_loader_refuses_bad_values(tmp_path) -> None:
+    from serve.loader import load
+
+    with pytest.raises(UserError, match="--quantize-embeddings must be int8"):
+        load(str(tmp_path), quantize_embeddings="int4")
