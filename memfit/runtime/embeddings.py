@@ -73,10 +73,60 @@ def quantize_vocab_int8(model: nn.Module) -> dict[str, int]:
         codes_e, scale_e = int8_rows(emb.weight)
     else:
         codes_e, scale_e = codes, scale
-    es = getattr(emb, "scalar_embed_scale", None)  # Gemma3TextScaledWordEmbedding
-    if es is None and hasattr(emb, "embed_scale"):
-        es = float(emb.embed_scale)
-    model.set_input_embeddings(Int8Embedding(codes_e, scale_e, es))
+    model.set_input_embeddings(Int8Embedding(codes_e, scale_e, _embed_scale(emb)))
     model.config.tie_word_embeddings = False  # nothing to tie any more: the codes are shared directly
     after = codes.numel() + scale.numel() * 4 + (0 if tied else codes_e.numel() + scale_e.numel() * 4)
     return {"before_bytes": before, "after_bytes": after}
+
+
+class PanelEmbedding(nn.Module):
+    """Input embedding rows read from a tied lm_head's panel layout (dense.PanelLinear: W[p * 16 + j, k] at
+    packed[p, k, j]), fp32 or int8 with its per-row scale: the vocabulary table is held once, in the layout the
+    lm_head streams, instead of a second copy in the plain layout for the lookups."""
+
+    def __init__(self, panel: nn.Module, embed_scale: float | None = None) -> None:
+        super().__init__()
+        self.panel, self.embed_scale = panel, embed_scale
+        self.num_embeddings, self.embedding_dim = panel.out_features, panel.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        packed, scale = self.panel.packed, self.panel.scale
+        rows = packed[torch.div(ids, 16, rounding_mode="floor"), :, ids % 16]
+        rows = rows.float() if scale is None else rows.float() * scale[ids].unsqueeze(-1)
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+def _embed_scale(emb: nn.Module) -> float | None:
+    es = getattr(emb, "scalar_embed_scale", None)  # Gemma3TextScaledWordEmbedding
+    if es is None and isinstance(getattr(emb, "embed_scale", None), (float, int, torch.Tensor)):
+        es = float(emb.embed_scale)
+    return es
+
+
+def pack_tied_vocab(model: nn.Module, ops) -> bool:
+    """Put a tied lm_head (fp32, or int8 rows sharing the embedding's codes) on memfit's panel kernel and read
+    the input embedding's rows from the same packed table; True where done.
+
+    Why: a tied head cannot be packed like the other Linears (the embedding needs the plain layout), so it ran
+    on MKL's sgemv: on Gemma 3 270M that was ~110 of a decode step's ~115 ms (torch profiler, batch 1)."""
+    from memfit.runtime.dense import PanelLinear
+
+    head, emb = getattr(model, "lm_head", None), model.get_input_embeddings()
+    if ops is None or head is None or emb is None or getattr(head, "bias", None) is not None:
+        return False
+    if type(head) is nn.Linear and isinstance(emb, nn.Embedding):
+        w = getattr(head, "weight", None)
+        if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.is_meta or \
+                getattr(emb, "weight", None) is None or w.data_ptr() != emb.weight.data_ptr():
+            return False
+    elif isinstance(head, Int8RowsLinear) and isinstance(emb, Int8Embedding):
+        if head.codes.data_ptr() != emb.codes.data_ptr() or head.codes.device.type != "cpu":
+            return False
+    else:
+        return False
+    if head.out_features % 16:
+        return False  # padded panels would need the lookups to skip the padding: not worth it for odd sizes
+    panel = PanelLinear(head, ops)
+    model.lm_head = panel
+    model.set_input_embeddings(PanelEmbedding(panel, _embed_scale(emb)))
+    return True

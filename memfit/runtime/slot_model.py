@@ -26,6 +26,7 @@ from memfit.errors import UserError
 from memfit.runtime import kernels
 from memfit.runtime.attention import StepLayout, attend
 from memfit.runtime.dense import pack_linears
+from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
@@ -112,6 +113,9 @@ class SlotModel:
         # None where not built (torch ops then)
         self.ops = kernels.load(cpu_kernels)
         # fp32 CPU Linears on packed weights (memfit.runtime.dense; replaces modules of the HF model)
+        # a tied lm_head on the panel kernel too, the embedding's rows read from its packed table (embeddings.py);
+        # first, so that pack_linears does not pack int8 rows' head alone
+        self.tied_vocab_packed = dense_kernel != "off" and pack_tied_vocab(hf_model, self.ops)
         self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops)
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
         # embedding and lm_head, called once a step: their forward straight, without nn.Module.__call__'s hook

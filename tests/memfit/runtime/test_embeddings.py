@@ -10,7 +10,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from memfit.errors import UserError
-from memfit.runtime.embeddings import Int8Embedding, int8_rows, quantize_vocab_int8
+from memfit.runtime.embeddings import Int8Embedding, PanelEmbedding, int8_rows, quantize_vocab_int8
 from memfit.runtime.linear import weight_format
 from memfit.runtime.slot_model import Segment, SlotModel
 
@@ -61,8 +61,31 @@ def test_int8_tables_equal_the_dequantized_model(kind: str, tied: bool) -> None:
     # on the packed engine the lm_head runs on the int8 panel kernel
     sm = SlotModel(model, 1, 64, dense_kernel="on", cpu_kernels="on")
     assert weight_format(sm.lm_head) == "panel_int8"
+    # tied: the embedding's rows come from the lm_head's packed table, one copy of the codes in all
+    assert sm.tied_vocab_packed == tied and isinstance(model.get_input_embeddings(), PanelEmbedding) == tied
     out = sm.forward(ids[0], [Segment(0, 0, 30)])
     torch.testing.assert_close(out[0], want[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_tied_fp32_head_on_the_panel_kernel_reads_embeddings_from_it(kind: str) -> None:
+    model = _model(kind)
+    emb_before = model.get_input_embeddings()
+    ids = torch.randint(0, 320, (1, 30))
+    ids[0, :16] = torch.arange(304, 320)  # the last panel's rows
+    with torch.no_grad():
+        want_rows = emb_before(ids)
+        want = model(ids).logits[0]
+    sm = SlotModel(model, 1, 64, dense_kernel="on", cpu_kernels="on")
+    assert sm.tied_vocab_packed and weight_format(sm.lm_head) == "panel_fp32"
+    emb = model.get_input_embeddings()
+    assert isinstance(emb, PanelEmbedding)
+    torch.testing.assert_close(emb(ids), want_rows, atol=0, rtol=0)  # the same fp32 rows, Gemma's scale included
+    out = sm.forward(ids[0], [Segment(0, 0, 30)])
+    torch.testing.assert_close(out[0], want[-1], atol=1e-4, rtol=1e-4)
+    # with the dense kernels off nothing is repacked
+    other = _model(kind)
+    assert not SlotModel(other, 1, 64, dense_kernel="off", cpu_kernels="on").tied_vocab_packed
 
 
 def test_serve_loader_refuses_bad_values(tmp_path) -> None:
