@@ -1,30 +1,30 @@
 """AWQ (Lin et al. 2023): activation-aware per-channel scaling plus weight clipping, then RTN.
 
-For each op -> Linears pair (input RMSNorm -> q/k/v, v_proj -> o_proj, post-attention RMSNorm ->
-gate/up, up_proj -> down_proj) the input channels are scaled by s = s_x**alpha, where s_x is the mean
-|activation| per channel; alpha is searched on a 20-point grid in [0, 1) to minimise the error of the
-quantized Linears' outputs on calibration tokens. The scale is folded into the previous op (its
-weight divided by s), so the float model is unchanged. With grouped-query attention each v_proj
-output channel feeds several o_proj input channels; they share one scale (an extension of AWQ, which
-skips v->o when the shapes differ). Then, for every Linear but q/k, the per-group clipping range is
-shrunk (down to 0.5x) where that lowers the output error. alpha = 0 and ratio 1 are plain RTN, so the
-search never does worse than RTN on the calibration proxy.
+For each group of Linears reading one input (q/k/v, o, gate/up, down in a Llama layer) whose producing op can
+absorb a per-channel scale (awqfold.py finds and verifies it from the layer's structure: the input norm, the
+value rows -> output projection, the up half of a gated MLP -> down), the input channels are scaled by
+s = s_x**alpha, where s_x is the mean |activation| per channel; alpha is searched on a 20-point grid in
+[0, 1) to minimise the error of the quantized Linears' outputs on calibration tokens. The scale is folded into
+the previous op, so the float model is unchanged. With grouped-query attention each value channel feeds
+several output-projection columns; they share one scale (an extension of AWQ, which skips v->o when the
+shapes differ). Groups with no exact fold (gpt_neox's MLP down projection reads gelu(h)) are not scaled; the
+output's record lists them. Then, for every Linear but q/k (and the q/k rows of a fused q/k/v projection),
+the per-group clipping range is shrunk (down to 0.5x) where that lowers the output error. alpha = 0 and
+ratio 1 are plain RTN, so the search never does worse than RTN on the calibration proxy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from compress import awqfold
 from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized
 from compress.rtn import rtn
-from memfit.errors import UserError
 
 GRID = 20
 SAMPLE_TOKENS = 4096  # tokens kept per Linear input for the scale search
 CLIP_TOKENS = 512
-LLAMA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def fake_quant(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
@@ -99,58 +99,58 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, args: QuantArgs, max_shrink: f
     return torch.cat(result)
 
 
-def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
+def scale_layer(job: LayerJob) -> tuple[list[awqfold.Fold], dict[str, torch.Tensor]]:
+    """AWQ's scaling step: search s per foldable group and fold it in (the float layer is unchanged).
+
+    Returns the layer's groups (awqfold.plan) and each Linear's calibration input sample as it now reads it
+    (x / s), for the clipping search. job.options["awq_record"] (a dict of sets, when given) collects the
+    folds made and the groups left unscaled, named relative to the layer, for the output's record."""
     layer = job.layer
     names = set(job.linears)
-    if not set(LLAMA) <= {n for n, _ in layer.named_modules()}:
-        raise UserError("awq: only Llama-style decoder layers (self_attn.*_proj, mlp.*_proj) are supported; use gptq")
+    folds = awqfold.plan(job)
+    record = job.options.get("awq_record")
+    if record is not None:
+        for f in folds:
+            if any(c in names for c in f.consumers):
+                record.setdefault("folded" if f.kind else "not_scaled", set()).add(f.describe() if f.kind
+                                                                                  else str(f.note))
     keep = max(SAMPLE_TOKENS // max(len(job.inputs), 1), 1)
-    taps = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
-    stats = {n: InputStats(keep, seed=i) for i, n in enumerate(taps)}
-    job.run({n: stats[n].add for n in taps})
+    stats = {f.tap: InputStats(keep, seed=i) for i, f in enumerate(folds)}
+    job.run({t: stats[t].add for t in stats})
     mod = layer.get_submodule
-    cfg = job.config
-    n_heads, n_kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    o_in = torch.arange(n_heads * head_dim)
-    kv_of_o = (o_in // head_dim) // (n_heads // n_kv) * head_dim + o_in % head_dim  # o input col -> v output row
-    plan = [  # (previous op, its kind, tap, consumers, expand)
-        ("input_layernorm", "norm", "self_attn.q_proj",
-         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], None),
-        ("self_attn.v_proj", "linear", "self_attn.o_proj", ["self_attn.o_proj"], kv_of_o),
-        ("post_attention_layernorm", "norm", "mlp.gate_proj", ["mlp.gate_proj", "mlp.up_proj"], None),
-        ("mlp.up_proj", "linear", "mlp.down_proj", ["mlp.down_proj"], None),
-    ]
     x_in: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for prev, kind, tap, consumers, expand in plan:
-            quantized = [c for c in consumers if c in names]
-            x = stats[tap].x
-            for c in consumers:
+        for f in folds:
+            quantized = [c for c in f.consumers if c in names]
+            x = stats[f.tap].x
+            for c in f.consumers:
                 x_in[c] = x
-            if not quantized:
+            if not quantized or f.kind is None:
                 continue
-            mean = stats[tap].mean_abs
-            if expand is not None:  # one scale per v_proj output channel: average its o_proj columns
-                mean = torch.zeros(n_kv * head_dim).index_add_(0, expand, mean) / (n_heads // n_kv)
+            mean = stats[f.tap].mean_abs
+            if f.expand is not None:  # one scale per value channel: average the output columns it feeds
+                mean = torch.zeros(f.n_scale).index_add_(0, f.expand, mean) / (len(f.expand) // f.n_scale)
             s = search_scale(x, mean, [mod(c).weight.float() for c in quantized], [job.args[c] for c in quantized],
-                             expand)
-            sf = s if expand is None else s[expand]
-            p = mod(prev)  # fold 1/s into the previous op; every reader of its output gets *s (exact in float)
-            if kind == "norm":
-                p.weight.div_(s.to(p.weight.dtype))
-            else:
-                p.weight.div_(s.unsqueeze(1).to(p.weight.dtype))
-                if getattr(p, "bias", None) is not None:
-                    p.bias.div_(s.to(p.bias.dtype))
-            for c in consumers:
-                mod(c).weight.mul_(sf.to(mod(c).weight.dtype))
+                             f.expand)
+            sf = awqfold.apply(layer, f, s)  # every reader of prev's output gets *s (exact in float)
+            for c in f.consumers:
                 x_in[c] = x / sf
-        results = {}
+    return folds, x_in
+
+
+def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
+    """scale_layer, then per Linear the clipping search (awqfold.clip_rows says which rows) and RTN."""
+    folds, x_in = scale_layer(job)
+    results = {}
+    with torch.no_grad():
         for n, lin in job.linears.items():
             w = lin.weight.data.float()
-            if n not in ("self_attn.q_proj", "self_attn.k_proj") and n in x_in:
+            rows = awqfold.clip_rows(n, folds)
+            if n in x_in and rows is None:
                 w = search_clip(w, x_in[n], job.args[n])
+            elif n in x_in and rows.numel():
+                w = w.clone()
+                w[rows] = search_clip(w[rows], x_in[n], job.args[n])
             results[n] = rtn(w, job.args[n])
             lin.weight.data = results[n].dequantize().to(lin.weight.dtype)
     return results

@@ -83,7 +83,11 @@ def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str,
             walk.handled.add(f"{job.prefix}{n}.weight")
             quantized.append(job.prefix + n)
 
-    walk.run(method, store, {"act_order": opt.act_order}, targets, f"{opt.method} {opt.bits}-bit", opt.progress)
+    awq_record: dict[str, set[str]] = {}  # awq: the folds made and the groups left unscaled (awqfold.py)
+    walk.run(method, store, {"act_order": opt.act_order, "awq_record": awq_record}, targets,
+             f"{opt.method} {opt.bits}-bit", opt.progress)
+    for note in sorted(awq_record.get("not_scaled", ())):
+        print(f"note: awq: {note}: searched clipping + RTN only", file=sys.stderr)
     untie = False
     for name, m in walk.outer.items():  # lm_head etc.: RTN
         walk.tensors.update(ctformat.tensors_for(name, rtn.rtn(m.weight.data, targets[name])))
@@ -96,6 +100,8 @@ def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str,
               "group_size_fallbacks": {n: targets[n].group_size for n in notes},
               "calibration": {"files": len(c.files), "samples": c.samples, "seqlen": c.seqlen}
               if method.calibrated and c else None}
+    if awq_record:
+        memfit["awq"] = {k: sorted(v) for k, v in sorted(awq_record.items())}
     qc = ctformat.quantization_config({n: targets[n] for n in quantized}, memfit)
     walk.write(out, qc, {"tie_word_embeddings": False} if untie else None)
     return {"quantized": len(quantized), "skipped": walk.skipped, "seconds": time.time() - t0,

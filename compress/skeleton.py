@@ -6,6 +6,7 @@ import torch
 from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.pytorch_utils import Conv1D
 
 from compress.store import WeightSource
 from memfit.errors import UserError
@@ -29,11 +30,44 @@ def meta_model(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.
 
 
 def decoder_layers(model: nn.Module, config: PretrainedConfig) -> tuple[str, nn.ModuleList]:
+    """(name, modules) of the decoder layers: the first ModuleList of num_hidden_layers modules (model.layers,
+    gpt_neox.layers, transformer.h, ...)."""
     n = getattr(config, "num_hidden_layers", None)
+    if n is None and hasattr(config, "get_text_config"):
+        n = getattr(config.get_text_config(), "num_hidden_layers", None)
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) == n:
             return name, mod
     raise UserError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def checkpoint_aliases(model: nn.Module, src: WeightSource) -> dict[str, str]:
+    """Model parameter name -> checkpoint key, for the keys transformers renames on load (its conversion mapping:
+    gpt_neox's `embed_out` is the model's `lm_head`; legacy gamma/beta; a missing base-model prefix)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):  # another transformers: no renaming known
+        return {}
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    out = {}
+    for key in src.keys():
+        new, _ = rename_source_key(key, renamings, [], prefix, meta)
+        if new != key and new not in src:
+            out[new] = key
+    return out
+
+
+def refuse_unsupported_linears(layers: nn.ModuleList, config: PretrainedConfig) -> None:
+    """UserError for decoder layers built from transformers' Conv1D (gpt2: weight stored [in, out]), which no
+    compress method or format handles; naming the module type beats leaving those weights silently in fp16."""
+    for name, m in layers.named_modules():
+        if isinstance(m, Conv1D):
+            raise UserError(f"model type {config.model_type!r}: decoder-layer module {name} is a transformers "
+                            f"{type(m).__name__} (weight stored [in, out]), not an nn.Linear; compress supports "
+                            "nn.Linear layers only")
 
 
 def materialize(module: nn.Module, prefix: str, src: WeightSource, dtype: torch.dtype = torch.float32,
@@ -54,14 +88,41 @@ def materialize(module: nn.Module, prefix: str, src: WeightSource, dtype: torch.
 
 
 def fix_meta_buffers(model: nn.Module, config: PretrainedConfig) -> None:
-    """Recreate modules whose non-persistent buffers (rotary inv_freq) are still on meta."""
+    """Recreate modules whose non-persistent buffers (rotary inv_freq) are still on meta; a module that cannot
+    be rebuilt from the config (Gemma's scaled embedding and its embed_scale) gets them from _init_buffers."""
     for name, mod in list(model.named_modules()):
         if any(b.is_meta for b in mod.buffers(recurse=False)):
             try:
                 fresh = type(mod)(config=config)
             except TypeError:
-                raise UserError(f"cannot rebuild buffers of module {name} ({type(mod).__name__})") from None
+                _init_buffers(model, name, mod)
+                continue
             model.set_submodule(name, fresh)
+
+
+def _init_buffers(model: nn.Module, name: str, mod: nn.Module) -> None:
+    """Fill mod's meta buffers with the model's own _init_weights(mod), which sets non-persistent buffers in
+    transformers 5; its parameters are flagged `_is_hf_initialized` meanwhile, which transformers' init
+    functions respect, so the loaded weights are left alone. NaN placeholders catch a buffer it did not set."""
+    init = getattr(model, "_init_weights", None)
+    meta = [n for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+    if init is None or any(p.is_meta for p in mod.parameters(recurse=False)):
+        raise UserError(f"cannot rebuild buffers of module {name} ({type(mod).__name__})")
+    for n in meta:
+        b = getattr(mod, n)
+        setattr(mod, n, torch.full(b.shape, float("nan"), dtype=b.dtype) if b.is_floating_point()
+                else torch.zeros(b.shape, dtype=b.dtype))
+    params = [p for p in mod.parameters(recurse=False) if not hasattr(p, "_is_hf_initialized")]
+    for p in params:
+        p._is_hf_initialized = True
+    try:
+        with torch.no_grad():
+            init(mod)
+    finally:
+        for p in params:
+            del p._is_hf_initialized
+    if any(getattr(mod, n).is_floating_point() and getattr(mod, n).isnan().any() for n in meta):
+        raise UserError(f"cannot rebuild buffers of module {name} ({type(mod).__name__})")
 
 
 def check_no_meta(model: nn.Module, where: str) -> None:

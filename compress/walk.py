@@ -3,8 +3,14 @@
 A model dir is built on the meta device with its outer modules (embeddings, final norm, lm_head) loaded;
 then one decoder layer at a time is materialized (fp32, from the safetensors shards), handed to the method's
 layer function (methods.Method.layer) as a LayerJob, stored, and sent back to meta. With calibration, the
-inputs of layer 0 are captured once and each layer's *compressed* outputs feed the next, so peak memory is
-about one decoder layer plus the calibration activations. The output is written to a temp dir and renamed.
+inputs of layer 0 (and every layer's other arguments: masks and rotary embeddings can differ per layer) are
+captured once and each layer's *compressed* outputs feed the next, so peak memory is about one decoder layer
+plus the calibration activations. The output is written to a temp dir and renamed.
+
+Targets are the nn.Linear modules of the decoder layers (any architecture: the layers are the model's
+ModuleList of num_hidden_layers modules). transformers' Conv1D (gpt2's c_attn/c_proj/c_fc: a Linear with its
+weight stored [in, out]) is refused with a UserError rather than silently left in fp16: every compress format
+and the loader's quantized Linears describe nn.Linear weights (out, in).
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from tqdm import tqdm
 from compress.calib import Calibration, calibration_tokens
 from compress.layerjob import Batch, LayerJob
 from compress.quant import QuantArgs
-from compress.skeleton import decoder_layers, fix_meta_buffers, hf_config, materialize, meta_model
+from compress.skeleton import (
+    checkpoint_aliases,
+    decoder_layers,
+    fix_meta_buffers,
+    hf_config,
+    materialize,
+    meta_model,
+    refuse_unsupported_linears,
+)
 from compress.store import WeightSource
 from memfit.errors import UserError
 from memfit.hf import load_tokenizer
@@ -46,23 +60,32 @@ class _Stop(Exception):
 
 
 class _Catch(nn.Module):
-    """Stands in for decoder layer 0: records its inputs, then stops the forward pass."""
+    """Stands in for a decoder layer while capturing: records its inputs and passes the hidden states on
+    unchanged; the last one stops the forward pass. Every layer's own arguments are kept because they can
+    differ per layer (Gemma 2/3, Qwen2 with layer_types: a sliding-window or a full mask, local or global
+    rotary embeddings); where they are the same (Llama) they are the same tensors, so no memory is added."""
 
-    def __init__(self, store: list[Batch]) -> None:
+    def __init__(self, store: list[Batch], last: bool) -> None:
         super().__init__()
         self.store = store
+        self.last = last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hs = args[0] if args else kwargs.pop("hidden_states")
         self.store.append(((hs, *args[1:]), kwargs))
-        raise _Stop
+        if self.last:
+            raise _Stop
+        return hs
 
 
-def capture_inputs(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor, batch: int) -> list[Batch]:
-    """The inputs decoder layer 0 receives for `tokens`, one entry per batch of sequences."""
-    store: list[Batch] = []
-    first = layers[0]
-    layers[0] = _Catch(store)
+def capture_layers(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor,
+                   batch: int) -> list[list[Batch]]:
+    """The inputs each decoder layer receives for `tokens` (per layer, one entry per batch of sequences); only
+    layer 0's include the hidden states (None in the others: the walk feeds each layer its predecessor's)."""
+    stores: list[list[Batch]] = [[] for _ in layers]
+    real = list(layers)
+    for i in range(len(layers)):
+        layers[i] = _Catch(stores[i], i == len(real) - 1)
     try:
         with torch.no_grad():
             for i in range(0, tokens.shape[0], batch):
@@ -71,8 +94,18 @@ def capture_inputs(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor
                 except _Stop:
                     pass
     finally:
-        layers[0] = first
-    return store
+        for i, layer in enumerate(real):
+            layers[i] = layer
+    if any(len(s) != len(stores[0]) for s in stores):
+        raise UserError(f"{type(model).__name__}: not every decoder layer was called during calibration")
+    for s in stores[1:]:  # their hidden states come from the previous layer in the walk: drop the references
+        s[:] = [((None, *a[1:]), kw) for a, kw in s]
+    return stores
+
+
+def capture_inputs(model: nn.Module, layers: nn.ModuleList, tokens: torch.Tensor, batch: int) -> list[Batch]:
+    """The inputs decoder layer 0 receives for `tokens`, one entry per batch of sequences."""
+    return capture_layers(model, layers, tokens, batch)[0]
 
 
 class LayerWalk:
@@ -96,6 +129,7 @@ class LayerWalk:
         self.model = meta_model(self.config, trust_remote_code)
         self.layers_name, self.layers = decoder_layers(self.model, self.config)
         self.inner = self.layers_name + "."
+        refuse_unsupported_linears(self.layers, self.config)
         self.linears = {n: m for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
         wanted = {n: m for n, m in self.linears.items() if not skipped(n, skip)}
         self.targets = {n: m for n, m in wanted.items() if n.startswith(self.inner)}
@@ -105,19 +139,23 @@ class LayerWalk:
             what = "Linear" if outer else "decoder-layer Linear"
             raise UserError(f"nothing to compress: every {what} is in --skip")
         self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        emb = next((n for n, _ in self.model.named_parameters() if n.endswith("embed_tokens.weight")), None)
+        emb_mod = self.model.get_input_embeddings()
+        emb = next((f"{n}.weight" for n, m in self.model.named_modules() if m is emb_mod), None)
+        self.alias = checkpoint_aliases(self.model, self.src)  # model name -> checkpoint key, where renamed
         for name, _p in [(n, p) for n, p in self.model.named_parameters() if not n.startswith(self.inner)]:
-            key = name if name in self.src or not (self.tied and name.startswith("lm_head")) else emb
+            key = name if name in self.src else self.alias.get(name, name)
+            if key not in self.src and self.tied and name.startswith("lm_head") and emb is not None:
+                key = emb if emb in self.src else self.alias.get(emb, emb)
             set_module_tensor_to_device(self.model, name, "cpu", value=self.src.get(key).float())
         if self.tied:
             self.model.tie_weights()
         fix_meta_buffers(self.model, self.config)
-        self.inputs: list[Batch] = []
+        self.inputs: list[list[Batch]] = []  # per decoder layer: its calibration inputs
         self.tensors: dict[str, torch.Tensor] = {}
         self.handled: set[str] = set()
 
     def calibrate(self, method: Method, calibration: Calibration | None) -> None:
-        """Capture layer 0's inputs when `method` needs calibration (tokenizer loaded only then)."""
+        """Capture the layers' inputs when `method` needs calibration (tokenizer loaded only then)."""
         if not method.calibrated:
             return
         if calibration is None or not calibration.files:
@@ -128,7 +166,7 @@ class LayerWalk:
         if int(tokens.max()) >= self.config.vocab_size:
             raise UserError(f"calibration tokens exceed the model's vocab_size {self.config.vocab_size}: "
                             "wrong tokenizer?")
-        self.inputs = capture_inputs(self.model, self.layers, tokens, CALIB_BATCH)
+        self.inputs = capture_layers(self.model, self.layers, tokens, CALIB_BATCH)
 
     def run(self, method: Method, store: Store, options: dict[str, Any] | None = None,
             args: dict[str, QuantArgs] | None = None, desc: str = "", progress: bool = True) -> None:
@@ -139,17 +177,19 @@ class LayerWalk:
         for i in tqdm(range(len(self.layers)), desc=desc or method.name, unit="layer", disable=not progress):
             prefix = f"{self.inner}{i}."
             layer = self.layers[i]
-            materialize(layer, prefix, self.src)
+            materialize(layer, prefix, self.src, alias=self.alias)
             lin = {n: m for n, m in layer.named_modules() if prefix + n in self.targets}
             job = LayerJob(layer, prefix, lin, {n: args[prefix + n] for n in lin} if args else {}, self.config,
-                           self.inputs, dict(options or {}))
+                           self.inputs[i] if self.inputs else [], dict(options or {}))
             store(job, method.layer(job))
             for pname, p in layer.named_parameters():
                 if prefix + pname not in self.handled:
                     self.tensors[prefix + pname] = p.detach().to(torch.float16).contiguous()
             if self.inputs and i < len(self.layers) - 1:
                 outs = job.run()
-                self.inputs = [((o, *a[1:]), kw) for o, (a, kw) in zip(outs, self.inputs, strict=True)]
+                self.inputs[i] = []
+                nxt = self.inputs[i + 1]
+                self.inputs[i + 1] = [((o, *a[1:]), kw) for o, (a, kw) in zip(outs, nxt, strict=True)]
             self.layers[i] = layer.to("meta")
         self.inputs = []
 
