@@ -8,6 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from memfit.runtime.slot_model import Segment, SlotModel
 
+from .conftest import check_steps
+
 _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
 _ROPE = {
@@ -41,14 +43,9 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     assert (sm.stack is not None) == (kernels == "on" and dense == "on" and kind in ("default", "llama3"))
     assert sm.rope.static == (kind != "dynamic")
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
-    out = sm.forward(torch.cat([a[:38], b[:10]]), [Segment(0, 0, 38), Segment(1, 0, 10)])
-    torch.testing.assert_close(out[0], ref_a[37], atol=1e-4, rtol=1e-4)
-    out = sm.forward(torch.cat([a[38:39], b[10:24]]), [Segment(0, 38, 1), Segment(1, 10, 14)])
-    torch.testing.assert_close(out[0], ref_a[38], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[1], ref_b[23], atol=1e-4, rtol=1e-4)
-    out = sm.forward(torch.stack([b[24], a[39]]), [Segment(1, 24, 1), Segment(0, 39, 1)])
-    torch.testing.assert_close(out[0], ref_b[24], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[1], ref_a[39], atol=1e-4, rtol=1e-4)
+    check_steps(sm, {0: a, 1: b}, {0: ref_a, 1: ref_b},
+                [[(0, 0, 38, True), (1, 0, 10, True)], [(0, 38, 1, True), (1, 10, 14, True)],
+                 [(1, 24, 1, True), (0, 39, 1, True)]])
 
 
 def test_rope_table_equals_the_rotary_module():

@@ -16,7 +16,9 @@ from transformers import (
 )
 
 from memfit.runtime.attention import _window_mask
-from memfit.runtime.slot_model import Segment, SlotModel
+from memfit.runtime.slot_model import SlotModel
+
+from .conftest import check_steps
 
 WINDOW = 8
 _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -61,16 +63,9 @@ def test_prefill_and_decode_past_the_window_match_hf(kind: str, kernels: str) ->
         assert sm.sandwich == [True] * 3 and sm.rope.kinds == ["sliding_attention", "full_attention"]
         assert sm.windows == [WINDOW, WINDOW, None]
     # prefill chunks that start inside and past the window, a mixed step, then decodes of different lengths
-    out = sm.forward(torch.cat([a[:5], b[:12]]), [Segment(0, 0, 5, False), Segment(1, 0, 12)])
-    torch.testing.assert_close(out[0], ref_b[11], atol=1e-4, rtol=1e-4)
-    out = sm.forward(a[5:38], [Segment(0, 5, 33)])
-    torch.testing.assert_close(out[0], ref_a[37], atol=1e-4, rtol=1e-4)
-    out = sm.forward(torch.cat([a[38:39], b[12:24]]), [Segment(0, 38, 1), Segment(1, 12, 12)])
-    torch.testing.assert_close(out[0], ref_a[38], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[1], ref_b[23], atol=1e-4, rtol=1e-4)
-    out = sm.forward(torch.stack([b[24], a[39]]), [Segment(1, 24, 1), Segment(0, 39, 1)])
-    torch.testing.assert_close(out[0], ref_b[24], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[1], ref_a[39], atol=1e-4, rtol=1e-4)
+    check_steps(sm, {0: a, 1: b}, {0: ref_a, 1: ref_b},
+                [[(0, 0, 5, False), (1, 0, 12, True)], [(0, 5, 33, True)], [(0, 38, 1, True), (1, 12, 12, True)],
+                 [(1, 24, 1, True), (0, 39, 1, True)]])
 
 
 def test_gemma3_greedy_equals_hf_generate() -> None:
