@@ -37,6 +37,10 @@ class TrainConfig:
     """Fraction of documents held out for validation when val_files is empty (deterministic, by document)."""
     block_size: int = 256
     """Tokens per packed training sequence."""
+    bos_per_block: bool = False
+    """Start every packed block with the tokenizer's bos token (then block_size - 1 text tokens, each still a
+    target exactly once). Gemma needs it: its attention sinks on a leading <bos>, and blocks cut mid-document
+    without one score far worse (Gemma 3 270M on Hamlet: 5.53 vs 4.23 nats/token). Llama-style models don't."""
     # --- optimisation ---
     batch_size: int = 8
     """Sequences per micro-batch per process."""
@@ -86,6 +90,9 @@ class TrainConfig:
     """Evaluate validation loss/perplexity every N optimizer steps (and at the end)."""
     eval_batches: int = 0
     """Cap on validation micro-batches per eval (0 = the whole validation set)."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step: a `step: 0` metrics row with the untrained (base) model's validation
+    loss, the baseline a fine-tune's loss is compared with. Logged only (it never becomes the `best` checkpoint)."""
     save_every: int = 100
     """Write the `last` checkpoint every N steps (and at the end); `best` follows validation loss."""
     log_every: int = 10

@@ -169,12 +169,24 @@ def _chat_segments(messages: list[dict], tokenizer, doc_id: str) -> list[tuple[s
     return [(s, t) for s, t in segments if s]
 
 
-def pack(docs: list[Document], tokenizer, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(docs: list[Document], tokenizer, block_size: int,
+         bos_per_block: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate documents and cut into (inputs, targets) blocks of block_size.
 
     Every token after the first is a target exactly once. A tail shorter than a block (or a corpus
     shorter than one block) becomes a padded block whose padding is masked out, never dropped or a crash.
+    With bos_per_block each block is the tokenizer's bos (no target) then block_size - 1 stream tokens.
     """
+    if bos_per_block:
+        if tokenizer.bos_token_id is None:
+            raise UserError("bos_per_block: the tokenizer has no bos token")
+        if block_size < 2:
+            raise UserError("bos_per_block: needs block_size >= 2")
+        inputs, targets = pack(docs, tokenizer, block_size - 1)
+        n = len(inputs)
+        inputs = torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), inputs], 1)
+        targets = torch.cat([torch.full((n, 1), IGNORE, dtype=torch.long), targets], 1)
+        return inputs, targets
     stream: list[int] = []
     flags: list[bool] = []
     for doc in docs:

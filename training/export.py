@@ -31,7 +31,7 @@ def export(run: Path, dest: Path, command: str, which: str = "best", overwrite: 
     last_state = json.loads((find_checkpoint(run / "last") / STATE_JSON).read_text())
     cfg = last_state["config"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "val_loss" in r]
+    evals = [r for r in rows if "val_loss" in r and "loss" in r]  # not eval_at_start's step-0 row: no weights saved
     best = min(evals, key=lambda r: r["val_loss"])
     final = rows[-1]
 

@@ -166,6 +166,15 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
         torch.cuda.reset_peak_memory_stats(acc.device)  # the peak is process-wide: this run's, not an earlier one's
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not acc.is_main_process, dynamic_ncols=True)
     last: dict[str, Any] = {}
+    start_val = None
+    if cfg.eval_at_start and step == 0:  # the base model's loss: what a fine-tune is measured against
+        start_val = evaluate(model, data, cfg, prec, acc)
+        if start_val is not None:
+            bar.write(f"step 0: val loss {start_val:.4f} ppl {math.exp(min(start_val, 50)):.2f}")
+            if metrics:
+                metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": round(start_val, 6),
+                                          "val_ppl": round(math.exp(min(start_val, 50)), 4)}) + "\n")
+                metrics.flush()
     t0, tokens_at_t0 = time.perf_counter(), tokens_seen
     while step < cfg.max_steps:
         # The global batch of this step, then this process's contiguous share of it.
@@ -247,7 +256,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
         merged = acc.unwrap_model(model).merge_and_unload()
         atomic_dir(out / "merged", lambda d: (merged.save_pretrained(d), tokenizer.save_pretrained(d)))
     acc.wait_for_everyone()
-    return {**last, "best_val_loss": best_val if best_val < math.inf else None,
+    return {**last, "best_val_loss": best_val if best_val < math.inf else None, "start_val_loss": start_val,
             "memory_report": report.as_dict() if report else None}
 
 

@@ -61,11 +61,11 @@ def get_tokenizer(cfg: TrainConfig, out: Path, train_docs, accelerator):
 
 
 def load_data(cfg: TrainConfig, tokenizer, train_docs, val_docs) -> Data:
-    train_x, train_y = pack(train_docs, tokenizer, cfg.block_size)
+    train_x, train_y = pack(train_docs, tokenizer, cfg.block_size, cfg.bos_per_block)
     if (train_y != -100).sum() == 0:
         raise UserError("data: no training targets after masking (every token is prompt/padding)")
     if val_docs:
-        val_x, val_y = pack(val_docs, tokenizer, cfg.block_size)
+        val_x, val_y = pack(val_docs, tokenizer, cfg.block_size, cfg.bos_per_block)
     else:
         val_x = val_y = torch.empty(0, cfg.block_size, dtype=torch.long)
     return Data(train_x, train_y, val_x, val_y, len(train_docs), len(val_docs))

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from memfit.errors import UserError
 from training.data import pack, read_documents, split_documents, tokenize_document
@@ -84,3 +85,15 @@ def test_bad_data_inputs(tmp_path):
     (tmp_path / "odd.jsonl").write_text('{"title": "x"}\n')
     with pytest.raises(UserError, match="expected a text"):
         read_documents([str(tmp_path / "odd.jsonl")])
+
+
+def test_bos_per_block_starts_every_block_with_bos_and_keeps_every_target(tmp_path, tok):
+    (tmp_path / "a.txt").write_text("the king speaks " * 40)
+    docs = read_documents([str(tmp_path / "a.txt")])
+    ids, _ = tokenize_document(docs[0], tok)
+    x, y = pack(docs, tok, block_size=16, bos_per_block=True)
+    assert x.shape[1] == 16 and (x[:, 0] == tok.bos_token_id).all() and (y[:, 0] == -100).all()
+    # the rest is the plain packing at block_size - 1: every token after the first a target exactly once
+    x15, y15 = pack(docs, tok, block_size=15)
+    assert torch.equal(x[:, 1:], x15) and torch.equal(y[:, 1:], y15)
+    assert int((y != -100).sum()) == len(ids) - 1
