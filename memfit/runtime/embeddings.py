@@ -110,9 +110,11 @@ def pack_tied_vocab(model: nn.Module, ops) -> bool:
     Why: a tied head cannot be packed like the other Linears (the embedding needs the plain layout), so it ran
     on MKL's sgemv: on Gemma 3 270M that was ~110 of a decode step's ~115 ms (torch profiler, batch 1)."""
     from memfit.runtime.dense import PanelLinear
+    from memfit.runtime.linear import is_resident
 
     head, emb = getattr(model, "lm_head", None), model.get_input_embeddings()
-    if ops is None or head is None or emb is None or getattr(head, "bias", None) is not None:
+    if ops is None or head is None or emb is None or getattr(head, "bias", None) is not None or \
+            not is_resident(head) or not is_resident(emb):  # offloaded or tensor-parallel (DTensor) tables stay
         return False
     if type(head) is nn.Linear and isinstance(emb, nn.Embedding):
         w = getattr(head, "weight", None)

@@ -52,7 +52,8 @@ def rms_norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
     on a random input once, not inferred from its class name."""
     w = getattr(norm, "weight", None)
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    if w is None or eps is None or w.dim() != 1 or w.dtype != torch.float32 or w.is_meta or \
+    if w is None or eps is None or type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 1 or \
+            w.dtype != torch.float32 or w.is_meta or \
             getattr(norm, "_hf_hook", None) is not None or not type(norm).__name__.endswith("RMSNorm"):
         return None
     w = w.detach()
