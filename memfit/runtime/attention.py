@@ -26,10 +26,7 @@ class StepLayout:
     dec_lens: list[int]  # positions each decode attends to (its position + 1)
     all_dec: bool  # every segment is a decode: token order == decode order
     contiguous: bool  # the decodes' slots are consecutive (a slice of the cache, no gather)
-
-    @property
-    def dec_max(self) -> int:
-        return max(self.dec_lens) if self.dec_lens else 0
+    dec_max: int  # the longest decode's length (0 without decodes): computed once a step, read by every layer
 
 
 def prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,

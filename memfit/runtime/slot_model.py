@@ -220,7 +220,7 @@ class SlotModel:
         all_dec = len(dec_idx) == len(segments)  # pure decode step: token order == decode order
         contiguous = bool(dec_idx) and dec_slot_list == list(range(dec_slot_list[0], dec_slot_list[0] + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
-        lay = StepLayout(offsets, pre, dec_idx, dec_slot_list, dec_len_list, all_dec, contiguous)
+        lay = StepLayout(offsets, pre, dec_idx, dec_slot_list, dec_len_list, all_dec, contiguous, dec_max)
         index = {"positions": positions, "slots": slots, "dec_tok": dec_tok, "dec_slots": dec_slots,
                  "dec_len": dec_len, "dec_mask": dec_mask}
         for kind, (cos, sin) in ropes.items():
