@@ -156,7 +156,7 @@ class State:
             # tensor parallel is the packed engine's only
             sm = make_runner(loaded.model, cfg.max_batch, msl, generic_ok=loaded.tp == 1,
                              prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
-                             cpu_kernels=cfg.cpu_kernels)
+                             cpu_kernels=cfg.cpu_kernels, bf16_weights=loaded.bf16_weights)
             if cfg.quantize_embeddings and getattr(sm, "ops", None) is None:
                 raise UserError("--quantize-embeddings needs memfit's CPU kernels (its int8 lm_head runs on them); "
                                 "drop --cpu-kernels off")
@@ -220,7 +220,8 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
 
         def load_fn():
             return load(cfg.model_path, cfg.dtype, cfg.quantize, placement=cfg.placement, max_batch=cfg.max_batch,
-                        max_seq_len=cfg.max_seq_len, tp=cfg.tp, quantize_embeddings=cfg.quantize_embeddings)
+                        max_seq_len=cfg.max_seq_len, tp=cfg.tp, quantize_embeddings=cfg.quantize_embeddings,
+                        cpu_kernels=cfg.cpu_kernels)
 
     state = State(cfg, load_fn)
 

@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
-                   help="auto = fp32 on CPU")
+                   help="bf16: Linear weights in bf16 on memfit's CPU kernels, activations and KV cache fp32 (half "
+                        "the bytes per token); auto: bf16 where the CPU has AVX512-BF16, else fp32. Models run by "
+                        "torch ops (placed, --tp, nf4, --cpu-kernels off) get this dtype whole (auto: fp32)")
     p.add_argument("--quantize", choices=["nf4", "int8"], default=None,
                    help="quantize the decoder Linears at load (int8: torch dynamic; nf4: bitsandbytes)")
     p.add_argument("--quantize-embeddings", choices=["int8"], default=None,

@@ -31,13 +31,28 @@ class Loaded:
     quantized: str | None  # how: "compress", "int8", "nf4" or None
     plan: object | None = None  # serve.placement.Plan when --device-map/--max-memory placed the model
     tp: int = 1  # tensor-parallel ranks the model is sharded over
+    bf16_weights: bool = False  # the engine packs the Linears in bf16 on memfit's kernels (activations fp32)
 
 
 def resolve_dtype(name: str, config: dict) -> torch.dtype:
+    """The dtype of a model run by torch's ops (placed, tensor-parallel, NF4): auto is fp32, as bf16 and fp16
+    matmuls on CPU are much slower than fp32 there."""
     if name in DTYPES:
         return DTYPES[name]
-    # auto: this engine runs on CPU, where bf16/fp16 matmuls are much slower than fp32
     return torch.float32
+
+
+def bf16_weights(name: str, cpu_kernels: str) -> bool:
+    """Whether ``--dtype name`` runs the Linears with bf16 weights on memfit's kernels (activations fp32): bf16
+    wherever the kernels are built; auto where they are and the CPU has AVX512-BF16 (the kernels are built with
+    -march=native, so their build says), else fp32. Half the bytes a decode step reads; twice the prefill FLOPS
+    with vdpbf16ps (bench/bf16.py)."""
+    if name not in ("bf16", "auto") or cpu_kernels == "off":
+        return False
+    from memfit.runtime import kernels
+
+    ops = kernels.load(cpu_kernels)
+    return ops is not None and (name == "bf16" or bool(ops.has_avx512_bf16()))
 
 
 def _quantize(model: torch.nn.Module, method: str) -> torch.nn.Module:
@@ -73,10 +88,12 @@ def _eos_ids(model: torch.nn.Module, tok) -> set[int]:
 
 
 def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=None, max_batch: int = 16,
-         max_seq_len: int | None = None, tp: int = 1, quantize_embeddings: str | None = None) -> Loaded:
+         max_seq_len: int | None = None, tp: int = 1, quantize_embeddings: str | None = None,
+         cpu_kernels: str = "off") -> Loaded:
     """``placement`` (serve.placement.Placement) spreads the model over devices/RAM/disk; ``tp`` > 1 shards
     it over the torchrun ranks with transformers' tp_plan="auto" (every rank calls this);
-    ``quantize_embeddings="int8"`` stores the lm_head and input embedding as int8 rows (runtime.embeddings)."""
+    ``quantize_embeddings="int8"`` stores the lm_head and input embedding as int8 rows (runtime.embeddings);
+    ``cpu_kernels``: the mode the engine will load memfit's kernels in (``bf16_weights`` asks it)."""
     if quantize_embeddings not in (None, "int8"):
         raise UserError(f"--quantize-embeddings must be int8, got {quantize_embeddings!r}")
     if quantize_embeddings and (tp > 1 or placement is not None):
@@ -134,9 +151,10 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
                                 quantization_config=nf4_config(torch_dtype, skip=["lm_head"]))
         how = "nf4"
     else:
-        model = load_pretrained(path, dtype=resolve_dtype(dtype, config), flag="--model")
-        if dtype in DTYPES:
-            model = model.to(DTYPES[dtype])
+        bf16 = bf16_weights(dtype, cpu_kernels)  # loaded in bf16 then: no fp32 copy of a bf16 checkpoint
+        torch_dtype = torch.bfloat16 if bf16 else resolve_dtype(dtype, config)
+        model = load_pretrained(path, dtype=torch_dtype, flag="--model")
+        model = model.to(torch_dtype)
     model.eval()
     if quantize and how != "nf4":
         if how == "compress":
@@ -151,4 +169,7 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
         log.info("vocabulary tables as int8 rows: %.1f -> %.1f MiB", sizes["before_bytes"] / 2**20,
                  sizes["after_bytes"] / 2**20)
     tok = load_tokenizer(path, flag="--model")
-    return Loaded(model, tok, _eos_ids(model, tok), max_positions(model.config), how, plan, tp)
+    # compress outputs and --quantize int8 keep their quantized layers; their fp32 lm_head (and any fp32 Linear)
+    # gets bf16 weights too
+    bf16 = placement is None and tp == 1 and how != "nf4" and bf16_weights(dtype, cpu_kernels)
+    return Loaded(model, tok, _eos_ids(model, tok), max_positions(model.config), how, plan, tp, bf16)

@@ -116,14 +116,23 @@ class PanelLinear(nn.Module):
 
     int8 weights (``serve --quantize int8``: torch's dynamic-quantized Linears) keep their codes and scales and
     run with fp32 activations (weight-only int8: the weight streams at a quarter of fp32's bytes; torch's own
-    dynamic kernel also quantizes the activations and measured slower than this fp32 path)."""
+    dynamic kernel also quantizes the activations and measured slower than this fp32 path).
+
+    ``bf16``: a float weight is stored in bf16 (half of fp32's bytes; ``serve --dtype bf16``, and ``auto`` where
+    the CPU has AVX512-BF16), in k pairs as vdpbf16ps reads them. Activations stay fp32: at few rows the
+    weights are widened exactly to fp32 in registers (decode is bound by the bytes read, not by the FMAs); from
+    8 rows on (prefill, large batches) x is rounded to bf16 and each pair is one vdpbf16ps, twice fp32's FLOPS.
+    An odd input size stays fp32."""
 
     FORMAT = "panel"
 
-    def __init__(self, linear: nn.Module | Weights, ops, pairs: bool = False) -> None:
+    def __init__(self, linear: nn.Module | Weights, ops, pairs: bool = False, bf16: bool = False) -> None:
         super().__init__()
         w, b, scale = _weights(linear)
         self.out_features, self.in_features = w.shape
+        if w.dtype.is_floating_point:  # bias and activations are fp32 whatever the weight's storage
+            w = w.to(torch.bfloat16 if bf16 and self.in_features % 2 == 0 else torch.float32)
+            b = None if b is None else b.float()
         self.ops, self.pairs = ops, pairs
         if pairs:  # [gate; up] rows -> 16 gate rows, the same 16 up rows, ...
             n = self.out_features // 2
@@ -153,7 +162,9 @@ class PanelLinear(nn.Module):
 
     @property
     def format(self) -> str:
-        return "panel_int8" if self.scale is not None else "panel_fp32"
+        if self.scale is not None:
+            return "panel_int8"
+        return "panel_bf16" if self.packed.dtype == torch.bfloat16 else "panel_fp32"
 
     def stack_spec(self, gate_up: bool) -> StackSpec | None:
         if self.pairs != gate_up or self.packed.shape[0] * 16 != self.out_features:  # padded outputs: sliced here
@@ -171,13 +182,16 @@ def _stack(linears: list[nn.Module]) -> Weights:
     """The weights of one Linear whose outputs are the concatenated outputs of ``linears`` (same input size,
     all or no bias, all fp32 or all int8)."""
     ws = [_weights(m) for m in linears]
+    if len({t[0].dtype for t in ws}) > 1:  # bf16 and fp32 Linears mixed: widen (PanelLinear stores either)
+        ws = [(t[0].float(), *t[1:]) for t in ws]
     cat = [None if any(t[i] is None for t in ws) else torch.cat([t[i] for t in ws]) for i in range(3)]
     return cat[0], cat[1], cat[2]
 
 
-def _packed(linear: nn.Module | Weights, ops) -> nn.Module:
-    """``linear`` on the panel kernel with memfit.runtime.kernels' ``ops``, else on oneDNN."""
-    return PanelLinear(linear, ops) if ops is not None else OneDNNLinear(linear)
+def _packed(linear: nn.Module | Weights, ops, bf16: bool = False) -> nn.Module:
+    """``linear`` on the panel kernel with memfit.runtime.kernels' ``ops`` (bf16 weights with ``bf16``), else on
+    oneDNN."""
+    return PanelLinear(linear, ops, bf16=bf16) if ops is not None else OneDNNLinear(linear)
 
 
 class FusedSlice(nn.Module):
@@ -213,8 +227,10 @@ def fused_of(mods: list[nn.Module]) -> nn.Module | None:
 FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _candidates(model: nn.Module, ops=None) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, name, module) of every fp32 CPU Linear to pack, and with ``ops`` every int8 one."""
+def _candidates(model: nn.Module, ops=None, bf16: bool = False) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, module) of every fp32 CPU Linear to pack (with ``bf16`` every bf16 one too), and with
+    ``ops`` every int8 one."""
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     ptrs: dict[int, int] = {}
     for p in model.parameters():
         if not p.is_meta and type(p) in (torch.Tensor, nn.Parameter):
@@ -232,7 +248,7 @@ def _candidates(model: nn.Module, ops=None) -> list[tuple[nn.Module, str, nn.Mod
             if weight_format(child) != "fp" or not is_resident(child):
                 continue
             w = child.weight
-            if w.dtype != torch.float32 or w.device.type != "cpu" or w.data_ptr() in shared:
+            if w.dtype not in dtypes or w.device.type != "cpu" or w.data_ptr() in shared:
                 continue
             out.append((parent, name, child))
     return out
@@ -288,18 +304,20 @@ def _drop_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
         libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
 
 
-def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
-    """Replace the model's eligible fp32 CPU Linears by PanelLinear (with memfit.runtime.kernels' ``ops``) or
-    OneDNNLinear; returns how many were replaced."""
+def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = False) -> int:
+    """Replace the model's eligible fp32 CPU Linears by PanelLinear (with memfit.runtime.kernels' ``ops``; with
+    ``bf16`` their weights in bf16, and bf16 Linears too) or OneDNNLinear; returns how many were replaced."""
     if mode not in MODES:
         raise ValueError(f"dense kernel mode must be one of {MODES}, not {mode!r}")
+    bf16 = bf16 and ops is not None
     if mode == "off" or (ops is None and not available()):
         return 0
-    todo = _candidates(model, ops)
+    todo = _candidates(model, ops, bf16)
     if not todo:
         return 0
     fp = [c for _, _, c in todo if weight_format(c) == "fp"]
-    if mode == "auto" and fp:  # int8 weights are always packed: their fallbacks dequantize or quantize per call
+    # int8 and bf16 weights are always packed: their fallbacks dequantize per call or run bf16 matmuls
+    if mode == "auto" and fp and not bf16:
         largest = max(fp, key=lambda c: c.in_features * c.out_features)
         if not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
             todo = [t for t in todo if weight_format(t[2]) != "fp"]
@@ -317,17 +335,17 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None) -> int:
                 continue
             if group == ("gate_proj", "up_proj") and ops is not None and mods[0].out_features % 16 == 0 \
                     and mods[0].out_features == mods[1].out_features:
-                fused = PanelLinear(_stack(mods), ops, pairs=True)
+                fused = PanelLinear(_stack(mods), ops, pairs=True, bf16=bf16)
             else:
-                fused = _packed(_stack(mods), ops)
+                fused = _packed(_stack(mods), ops, bf16)
             start = 0
             for n, m in zip(group, mods, strict=True):
                 setattr(parent, n, FusedSlice(fused, start, start + m.out_features))
                 start += m.out_features
                 del children[n]
         for name, child in children.items():
-            setattr(parent, name, _packed(child, ops))
+            setattr(parent, name, _packed(child, ops, bf16))
     for _, _, child in todo:  # nothing else reads these weights now (candidates share no storage)
-        if weight_format(child) == "fp":
+        if weight_format(child) == "fp" and child.weight.dtype == torch.float32:
             _drop_file_pages(child.weight.detach(), maps)
     return len(todo)

@@ -81,8 +81,9 @@ def quantize_vocab_int8(model: nn.Module) -> dict[str, int]:
 
 class PanelEmbedding(nn.Module):
     """Input embedding rows read from a tied lm_head's panel layout (dense.PanelLinear: W[p * 16 + j, k] at
-    packed[p, k, j]), fp32 or int8 with its per-row scale: the vocabulary table is held once, in the layout the
-    lm_head streams, instead of a second copy in the plain layout for the lookups."""
+    packed[p, k, j]; bf16 at packed[p, k // 2, 2 j + k % 2]), fp32, bf16 or int8 with its per-row scale: the
+    vocabulary table is held once, in the layout the lm_head streams, instead of a second copy in the plain
+    layout for the lookups."""
 
     def __init__(self, panel: nn.Module, embed_scale: float | None = None) -> None:
         super().__init__()
@@ -91,7 +92,11 @@ class PanelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         packed, scale = self.panel.packed, self.panel.scale
-        rows = packed[torch.div(ids, 16, rounding_mode="floor"), :, ids % 16]
+        p, j = torch.div(ids, 16, rounding_mode="floor"), ids % 16
+        if packed.dtype == torch.bfloat16:  # [N / 16, K / 2, 16, 2]: a row is its 16-wide lane's K / 2 pairs
+            rows = packed.view(packed.shape[0], packed.shape[1], 16, 2)[p, :, j].flatten(-2)
+        else:
+            rows = packed[p, :, j]
         rows = rows.float() if scale is None else rows.float() * scale[ids].unsqueeze(-1)
         return rows if self.embed_scale is None else rows * self.embed_scale
 
@@ -103,9 +108,10 @@ def _embed_scale(emb: nn.Module) -> float | None:
     return es
 
 
-def pack_tied_vocab(model: nn.Module, ops) -> bool:
-    """Put a tied lm_head (fp32, or int8 rows sharing the embedding's codes) on memfit's panel kernel and read
-    the input embedding's rows from the same packed table; True where done.
+def pack_tied_vocab(model: nn.Module, ops, bf16: bool = False) -> bool:
+    """Put a tied lm_head (fp32, or int8 rows sharing the embedding's codes; with ``bf16`` an fp32 or bf16 one
+    stored in bf16) on memfit's panel kernel and read the input embedding's rows from the same packed table;
+    True where done.
 
     Why: a tied head cannot be packed like the other Linears (the embedding needs the plain layout), so it ran
     on MKL's sgemv: on Gemma 3 270M that was ~110 of a decode step's ~115 ms (torch profiler, batch 1)."""
@@ -118,7 +124,8 @@ def pack_tied_vocab(model: nn.Module, ops) -> bool:
         return False
     if type(head) is nn.Linear and isinstance(emb, nn.Embedding):
         w = getattr(head, "weight", None)
-        if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.is_meta or \
+        if w is None or w.dtype not in ((torch.float32, torch.bfloat16) if bf16 else (torch.float32,)) or \
+                w.device.type != "cpu" or w.is_meta or \
                 getattr(emb, "weight", None) is None or w.data_ptr() != emb.weight.data_ptr():
             return False
     elif isinstance(head, Int8RowsLinear) and isinstance(emb, Int8Embedding):
@@ -128,7 +135,7 @@ def pack_tied_vocab(model: nn.Module, ops) -> bool:
         return False
     if head.out_features % 16:
         return False  # padded panels would need the lookups to skip the padding: not worth it for odd sizes
-    panel = PanelLinear(head, ops)
+    panel = PanelLinear(head, ops, bf16=bf16)
     model.lm_head = panel
     model.set_input_embeddings(PanelEmbedding(panel, _embed_scale(emb)))
     return True

@@ -30,6 +30,7 @@ from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
+from memfit.runtime.linear import weight_format
 from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, tp_shards
 from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
@@ -66,6 +67,34 @@ def _window(layer: torch.nn.Module, cfg, max_seq_len: int) -> int | None:
     return int(w) if w and int(w) < max_seq_len else None
 
 
+def _float_rest(model: torch.nn.Module) -> None:
+    """After the Linears are packed in bf16: every other bf16 tensor (norms, RoPE buffers, a tied lm_head that
+    could not be packed) to fp32, the dtype the activations keep; an untied input embedding stays bf16 (its
+    looked-up rows are widened: ``_forward``). Tensors shared by several modules stay shared."""
+    def skip(m: torch.nn.Module) -> bool:
+        fmt = weight_format(m)
+        return fmt is not None and fmt.startswith("panel")  # a packed weight (bf16 by choice), its fp32 bias
+
+    used = {t.data_ptr() for m in model.modules() if not skip(m) and not isinstance(m, torch.nn.Embedding)
+            for t in m.parameters(recurse=False)}
+    done: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        if skip(m):
+            continue
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t is None or t.dtype != torch.bfloat16 or \
+                    (isinstance(m, torch.nn.Embedding) and t.data_ptr() not in used):
+                continue
+            is_param = isinstance(t, torch.nn.Parameter)
+            if t.data_ptr() not in done:
+                f = t.detach().float()
+                done[t.data_ptr()] = torch.nn.Parameter(f, requires_grad=False) if is_param else f
+            if is_param:
+                setattr(m, name, done[t.data_ptr()])
+            else:
+                m._buffers[name] = done[t.data_ptr()]
+
+
 _NO_ROWS = torch.empty(0, dtype=torch.long)  # `keep` meaning every row (SlotModel._forward)
 
 
@@ -74,7 +103,9 @@ class SlotModel:
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
                  cache_dtype: torch.dtype | None = None, prefetch: bool = False, dense_kernel: str = "off",
-                 cpu_kernels: str = "off"):
+                 cpu_kernels: str = "off", bf16_weights: bool = False):
+        """``bf16_weights``: the Linears' weights (lm_head included) in bf16 on memfit's panel kernel, from an fp32
+        or a bf16 model; activations, norms and the KV cache stay fp32 (dense.PanelLinear says why)."""
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:
@@ -99,7 +130,21 @@ class SlotModel:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.vocab_size = cfg.vocab_size
-        self.dtype = self._param_dtype()
+        # fused CPU kernels (memfit.runtime.kernels): fp32 and int4 Linears, norms, RoPE + KV write, decode attention;
+        # None where not built (torch ops then)
+        self.ops = kernels.load(cpu_kernels)
+        bf16 = bf16_weights and self.ops is not None and dense_kernel != "off"
+        if bf16_weights and not bf16:
+            raise UserError("bf16 weights run on memfit's CPU kernels: drop --cpu-kernels off / --dense-kernel off, "
+                            "or use --dtype fp32")
+        # fp32 CPU Linears on packed weights (memfit.runtime.dense; replaces modules of the HF model)
+        # a tied lm_head on the panel kernel too, the embedding's rows read from its packed table (embeddings.py);
+        # first, so that pack_linears does not pack int8 rows' head alone
+        self.tied_vocab_packed = dense_kernel != "off" and pack_tied_vocab(hf_model, self.ops, bf16)
+        self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops, bf16)
+        if bf16:
+            _float_rest(hf_model)
+        self.dtype = torch.float32 if bf16 else self._param_dtype()
         cdt = cache_dtype or self.dtype
         # each layer's KV cache lives where that layer executes (device maps split layers over devices)
         self.layer_devices = [exec_device(layer) for layer in self.layers]
@@ -109,14 +154,6 @@ class SlotModel:
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
-        # fused CPU kernels (memfit.runtime.kernels): fp32 and int4 Linears, norms, RoPE + KV write, decode attention;
-        # None where not built (torch ops then)
-        self.ops = kernels.load(cpu_kernels)
-        # fp32 CPU Linears on packed weights (memfit.runtime.dense; replaces modules of the HF model)
-        # a tied lm_head on the panel kernel too, the embedding's rows read from its packed table (embeddings.py);
-        # first, so that pack_linears does not pack int8 rows' head alone
-        self.tied_vocab_packed = dense_kernel != "off" and pack_tied_vocab(hf_model, self.ops)
-        self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops)
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
         # embedding and lm_head, called once a step: their forward straight, without nn.Module.__call__'s hook
         # bookkeeping, where no hooks are registered (with the other changes to _forward's bookkeeping, the
@@ -213,6 +250,8 @@ class SlotModel:
         dec_tok, dec_slots, dec_len = flat[2 * T:2 * T + nd], flat[2 * T + nd:2 * T + 2 * nd], flat[2 * T + 2 * nd:]
         dec_max = max(dec_len_list) if dec_idx else 0
         h = self._embed(input_ids[None].to(self.embed_device))  # [1, T, hidden]
+        if h.dtype != self.dtype:  # a bf16 embedding under bf16 weights: activations are fp32
+            h = h.to(self.dtype)
         ropes = {kind: self.rope(h, positions, kind) for kind in self.rope.kinds}
         dec_mask = None  # no mask needed when every decode attends to the same number of positions
         if dec_idx and min(dec_len_list) != dec_max and self.stack is None:

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace memfit {
@@ -18,6 +19,7 @@ namespace memfit {
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64), aligned(64)));
 
 // exp(x) for 16 floats (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); GCC's std::exp stayed scalar
 inline v16 vexp(v16 x) {
@@ -75,6 +77,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);
+bool has_avx512_bf16();
+double peak_gflops(bool bf16, int64_t iters);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
                          bool silu_mul, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual);

@@ -85,7 +85,11 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   memfit::bind_stack(m);
-  m.def("pack_panels", &memfit::pack_panels, "an fp32 Linear weight [N, K] in linear_panels' layout [N / 16, K, 16]");
+  m.def("pack_panels", &memfit::pack_panels,
+        "a Linear weight [N, K] in linear_panels' layout: fp32 and int8 [N / 16, K, 16], bf16 [N / 16, K / 2, 32]");
+  m.def("has_avx512_bf16", &memfit::has_avx512_bf16, "whether these kernels were built with AVX512-BF16");
+  m.def("peak_gflops", &memfit::peak_gflops, "peak GFLOPS of a register-only fp32 FMA or vdpbf16ps loop",
+        py::arg("bf16"), py::arg("iters") = 2000000);
   m.def("linear_panels", &memfit::linear_panels, "x @ W^T (+ bias) on a pack_panels weight (fp32)", py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false,
         py::arg("scale") = py::none(), py::arg("residual") = py::none());

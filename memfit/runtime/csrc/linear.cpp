@@ -1,6 +1,8 @@
 // fp32 and 4-bit Linears for small and large row counts (memfit.runtime.dense.PanelLinear, memfit.runtime.fuse).
 #include <immintrin.h>
 
+#include <chrono>
+
 #include "common.h"
 
 namespace memfit {
@@ -11,10 +13,15 @@ namespace memfit {
 // L1/L2), and no packing of x is needed.
 
 at::Tensor pack_panels(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar),
-              "weight must be a CPU float32 or int8 tensor");
+  const auto t = w.scalar_type();
+  TORCH_CHECK(w.device().is_cpu() && (t == at::kFloat || t == at::kChar || t == at::kBFloat16),
+              "weight must be a CPU float32, int8 or bfloat16 tensor");
   TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "weight must be [N, K] with N a multiple of 16");
   const int64_t N = w.size(0), K = w.size(1);
+  if (t == at::kBFloat16) {  // [N / 16][K / 2][16][2]: k pairs of 16 outputs, as vdpbf16ps reads them
+    TORCH_CHECK(K % 2 == 0, "a bf16 weight needs an even K");
+    return w.reshape({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 16, K / 2, 32});
+  }
   return w.reshape({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
 
@@ -33,26 +40,12 @@ inline v16 load16(const int8_t* p) {
 #endif
 }
 
-// SILU: the panels come in (gate, up) pairs of the same 16 outputs and y gets silu(gate) * up, 16 per pair.
-// W = int8_t: y = (x @ Wq^T) * scale (per output) + bias.
-template <int MR, int NP, bool SILU = false, typename W = float>
-inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_t ldy, const float* bias,
-                         const float* scale, const float* res) {
-  v16 acc[MR][NP];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NP; ++j) acc[m][j] = v16{};
-  for (int64_t k = 0; k < K; ++k) {
-    v16 w[NP];
-    for (int j = 0; j < NP; ++j) {
-      const W* pk = P + (j * K + k) * 16;
-      w[j] = load16(pk);
-      __builtin_prefetch(pk + 1024 / sizeof(W));  // 1 KiB ahead
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float xv = x[m * K + k];
-      for (int j = 0; j < NP; ++j) acc[m][j] += xv * w[j];
-    }
-  }
+// The kernels' epilogue: y (rows m, panels j) gets acc times the int8 scale (per output), plus bias, then
+// either silu(gate) * up (SILU: the panels come in (gate, up) pairs of the same 16 outputs, 16 per pair) or
+// plus the residual (y's layout), rounded as the unfused ops.
+template <int MR, int NP, bool SILU>
+inline void panel_store(v16 (&acc)[MR][NP], float* y, int64_t ldy, const float* bias, const float* scale,
+                        const float* res) {
   if (scale)
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < NP; ++j) acc[m][j] *= *reinterpret_cast<const v16u*>(scale + j * 16);
@@ -65,7 +58,7 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
         const v16 g = acc[m][j];
         *reinterpret_cast<v16u*>(y + m * ldy + j * 8) = g / (1.f + vexp(-g)) * acc[m][j + 1];
       }
-    } else if (res) {  // y = (x @ W^T + bias) + residual, rounded as the unfused add
+    } else if (res) {
       for (int j = 0; j < NP; ++j)
         *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = acc[m][j] + *reinterpret_cast<const v16u*>(res + m * ldy + j * 16);
     } else {
@@ -74,10 +67,83 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
   }
 }
 
-// ldy: y's row stride (N, or N / 2 with SILU)
+// W = int8_t: y = (x @ Wq^T) * scale (per output) + bias.
+template <int MR, int NP, bool SILU = false, typename W = float>
+inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_t ldy, const float* bias,
+                         const float* scale, const float* res) {
+  v16 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = v16{};
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    // bf16 panels of k pairs ([K / 2][16][2] per panel): the even k of 16 outputs are the low halves of 16
+    // 32-bit lanes, the odd k the high halves; each becomes fp32 by a shift or a mask (exact), so x stays fp32
+    for (int64_t k = 0; k < K; k += 2) {
+      v16 lo[NP], hi[NP];
+      for (int j = 0; j < NP; ++j) {
+        const W* pk = P + (j * K + k) * 16;
+        const vu16 u = *reinterpret_cast<const vu16*>(pk);
+        const vu16 l = u << 16, h = u & 0xFFFF0000u;
+        std::memcpy(&lo[j], &l, 64);
+        std::memcpy(&hi[j], &h, 64);
+        __builtin_prefetch(pk + 512);  // 1 KiB ahead
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float x0 = x[m * K + k], x1 = x[m * K + k + 1];
+        for (int j = 0; j < NP; ++j) {
+          acc[m][j] += x0 * lo[j];
+          acc[m][j] += x1 * hi[j];
+        }
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      v16 w[NP];
+      for (int j = 0; j < NP; ++j) {
+        const W* pk = P + (j * K + k) * 16;
+        w[j] = load16(pk);
+        __builtin_prefetch(pk + 1024 / sizeof(W));  // 1 KiB ahead
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float xv = x[m * K + k];
+        for (int j = 0; j < NP; ++j) acc[m][j] += xv * w[j];
+      }
+    }
+  }
+  panel_store<MR, NP, SILU>(acc, y, ldy, bias, scale, res);
+}
+
+#ifdef __AVX512BF16__
+// bf16 panels at many rows: x rounded to bf16 too (xb: [rows][K / 2] pairs) and each k pair of 16 outputs
+// one vdpbf16ps (products exact, sums in fp32): half the instructions of the fp32 FMA loop above
+template <int MR, int NP, bool SILU>
+inline void panel_kernel_dp(const uint32_t* xb, int64_t K, const uint16_t* P, float* y, int64_t ldy,
+                            const float* bias, const float* res) {
+  const int64_t K2 = K / 2;
+  __m512 acc[MR][NP];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512bh w[NP];
+    for (int j = 0; j < NP; ++j) {
+      const uint16_t* pk = P + (j * K2 + kp) * 32;
+      w[j] = (__m512bh)_mm512_load_si512(pk);
+      __builtin_prefetch(pk + 512);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[m * K2 + kp]));
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
+    }
+  }
+  v16 out[MR][NP];
+  std::memcpy(out, acc, sizeof(out));
+  panel_store<MR, NP, SILU>(out, y, ldy, bias, nullptr, res);
+}
+#endif
+
+// ldy: y's row stride (N, or N / 2 with SILU). xb: x as bf16 pairs where bf16 panels run on vdpbf16ps, else null.
 template <int NP, bool SILU = false, typename W = float>
-void panel_rows(const float* x, int64_t M, int64_t K, const W* P, float* y, int64_t ldy, int64_t p,
-                const float* bias, const float* scale, const float* res) {
+void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const W* P, float* y, int64_t ldy,
+                int64_t p, const float* bias, const float* scale, const float* res) {
   const W* pp = P + p * K * 16;
   const float* bp = bias ? bias + p * 16 : nullptr;
   const float* sp = scale ? scale + p * 16 : nullptr;
@@ -85,6 +151,24 @@ void panel_rows(const float* x, int64_t M, int64_t K, const W* P, float* y, int6
     const float* xr = x + m0 * K;
     float* yr = y + m0 * ldy + p * (SILU ? 8 : 16);
     const float* rr = res ? res + m0 * ldy + p * 16 : nullptr;  // the residual has y's layout (not with SILU)
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      if (xb) {
+        const uint32_t* xbr = xb + m0 * (K / 2);
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 1: panel_kernel_dp<1, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 2: panel_kernel_dp<2, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 3: panel_kernel_dp<3, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 4: panel_kernel_dp<4, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 5: panel_kernel_dp<5, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 6: panel_kernel_dp<6, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 7: panel_kernel_dp<7, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          default: panel_kernel_dp<8, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+        }
+        continue;
+      }
+    }
+#endif
     switch (std::min<int64_t>(8, M - m0)) {
       case 1: panel_kernel<1, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
       case 2: panel_kernel<2, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
@@ -99,15 +183,15 @@ void panel_rows(const float* x, int64_t M, int64_t K, const W* P, float* y, int6
 }
 
 template <typename W>
-void run_panels(const float* xp, int64_t M, int64_t K, const W* pp, float* yp, int64_t NPAN, const float* bp,
-                const float* sp, bool silu_mul, const float* rp) {
+void run_panels(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const W* pp, float* yp, int64_t NPAN,
+                const float* bp, const float* sp, bool silu_mul, const float* rp) {
   const int64_t N = NPAN * 16;
   if (silu_mul) {  // whole pairs per thread and per kernel call
     at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
       int64_t q = q0;
       if (M <= 2)
-        for (; q + 2 <= q1; q += 2) panel_rows<4, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
-      for (; q < q1; ++q) panel_rows<2, true, W>(xp, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
+        for (; q + 2 <= q1; q += 2) panel_rows<4, true, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
+      for (; q < q1; ++q) panel_rows<2, true, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
     });
     return;
   }
@@ -117,12 +201,64 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* pp, float* yp, i
   at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
     for (; p + np <= p1; p += np) {
-      if (np == 4) panel_rows<4, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
-      else if (np == 3) panel_rows<3, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
-      else panel_rows<2, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
+      if (np == 4) panel_rows<4, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
+      else if (np == 3) panel_rows<3, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
+      else panel_rows<2, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
     }
-    for (; p < p1; ++p) panel_rows<1, false, W>(xp, M, K, pp, yp, N, p, bp, sp, rp);
+    for (; p < p1; ++p) panel_rows<1, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
   });
+}
+
+// rows from which bf16 panels take vdpbf16ps (x rounded to bf16) instead of fp32 FMAs on exact bf16 weights
+constexpr int64_t kDpbf16MinRows = 8;
+
+bool has_avx512_bf16() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The CPU's peak GFLOPS for fp32 FMAs (bf16 = false) or vdpbf16ps (bf16 = true) on all threads: a loop on
+// registers only (16 independent accumulators, no memory), the ceiling the GEMMs above are measured against.
+double peak_gflops(bool bf16, int64_t iters) {
+  TORCH_CHECK(!bf16 || has_avx512_bf16(), "peak_gflops: these kernels have no AVX512-BF16");
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads * 16);
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      v16 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = v16{} + 1e-3f * i;
+      v16 a = v16{} + 0.9999f, c = v16{} + 1e-4f;  // converges: no overflow
+#ifdef __AVX512BF16__
+      if (bf16) {
+        __m512 A[16];
+        std::memcpy(A, acc, sizeof(A));
+        __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f);
+        for (int64_t it = 0; it < iters; ++it)
+          for (int i = 0; i < 16; ++i) {
+            A[i] = _mm512_dpbf16_ps(A[i], x, y);
+            asm volatile("" : "+v"(A[i]));  // keep every instruction
+          }
+        std::memcpy(acc, A, sizeof(A));
+      } else
+#endif
+        for (int64_t it = 0; it < iters; ++it)
+          for (int i = 0; i < 16; ++i) {
+            acc[i] = acc[i] * a + c;
+            asm volatile("" : "+v"(acc[i]));
+          }
+      v16 sum = v16{};
+      for (int i = 0; i < 16; ++i) sum += acc[i];
+      std::memcpy(&sink[t * 16], &sum, 64);
+    }
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // per instruction and lane: one FMA (2 flops) in fp32, two multiply-adds (4 flops) in vdpbf16ps
+  return static_cast<double>(threads) * iters * 16 * 16 * (bf16 ? 4 : 2) / s / 1e9 +
+         (sink[0] == 1234.5f ? 1e-9 : 0.0);  // the sums are used
 }
 
 // y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with silu_mul, W's panels are (gate, up)
@@ -134,10 +270,12 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
                          bool silu_mul, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual) {
   check_f32_cpu(x_in, "x");
-  const bool int8 = P.scalar_type() == at::kChar;
-  TORCH_CHECK(P.device().is_cpu() && (int8 || P.scalar_type() == at::kFloat), "packed weight must be fp32 or int8");
-  TORCH_CHECK(P.dim() == 3 && P.size(2) == 16 && P.is_contiguous(), "packed weight must come from pack_panels");
-  const int64_t K = P.size(1), NPAN = P.size(0), N = NPAN * 16;
+  const bool int8 = P.scalar_type() == at::kChar, bf16 = P.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(P.device().is_cpu() && (int8 || bf16 || P.scalar_type() == at::kFloat),
+              "packed weight must be fp32, int8 or bf16");
+  TORCH_CHECK(P.dim() == 3 && P.size(2) == (bf16 ? 32 : 16) && P.is_contiguous(),
+              "packed weight must come from pack_panels");
+  const int64_t K = P.size(1) * (bf16 ? 2 : 1), NPAN = P.size(0), N = NPAN * 16;
   TORCH_CHECK(x_in.size(-1) == K, "x's last size ", x_in.size(-1), " != the weight's ", K);
   auto x = x_in.contiguous();
   const int64_t M = x.numel() / K;
@@ -169,10 +307,17 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (int8)
-    run_panels<int8_t>(xp, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), silu_mul, rp);
-  else
-    run_panels<float>(xp, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, silu_mul, rp);
+  if (int8) {
+    run_panels<int8_t>(xp, nullptr, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), silu_mul, rp);
+  } else if (bf16) {
+    at::Tensor xb;  // x rounded to bf16 (nearest even) once per call, read as k pairs, where vdpbf16ps runs
+    if (has_avx512_bf16() && M >= kDpbf16MinRows) xb = x.to(at::kBFloat16);
+    const uint32_t* xbp = xb.defined() ? reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
+    const auto* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
+    run_panels<uint16_t>(xp, xbp, M, K, pp, yp, NPAN, bp, nullptr, silu_mul, rp);
+  } else {
+    run_panels<float>(xp, nullptr, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, silu_mul, rp);
+  }
   return y;
 }
 

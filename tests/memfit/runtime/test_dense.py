@@ -30,9 +30,9 @@ def test_onednn_linear_equals_f_linear(bias: bool) -> None:
         torch.testing.assert_close(PanelLinear(lin, kernels.load("on"))(x), ref, atol=1e-5, rtol=1e-5)
 
 
-def _model(tied: bool) -> LlamaForCausalLM:
+def _model(tied: bool, vocab: int = 300) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg).eval()
 
@@ -162,3 +162,43 @@ def test_int8_dynamic_quantized_linears_run_on_the_int8_panel_kernel() -> None:
     stack, sm.stack = sm.stack, None  # the Python loop over the same modules
     torch.testing.assert_close(sm.forward(ids[:5], [Segment(0, 0, 5)])[0], want[4], atol=1e-4, rtol=1e-4)
     sm.stack = stack
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_bf16_weights_serve_the_bf16_rounded_model(tied: bool, source: torch.dtype) -> None:
+    """bf16_weights: every Linear (and a tied lm_head with its embedding rows) on bf16 panels from an fp32 or a
+    bf16 model; activations stay fp32, so the logits equal the fp32 engine over the bf16-rounded weights."""
+    def rounded() -> LlamaForCausalLM:  # every weight a bf16 value: the same model in either source dtype
+        m = _model(tied, 320)  # a tied table packs where the vocabulary is a multiple of 16
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(p.bfloat16().float())
+        return m
+
+    ref = SlotModel(rounded(), 1, 32, dense_kernel="on", cpu_kernels="on")
+    model = rounded().to(source)
+    sm = SlotModel(model, 1, 32, dense_kernel="on", cpu_kernels="on", bf16_weights=True)
+    assert sm.dtype == torch.float32 and sm.k_cache[0].dtype == torch.float32
+    assert type(model.lm_head) is PanelLinear and model.lm_head.format == "panel_bf16"
+    assert type(model.model.embed_tokens).__name__ == ("PanelEmbedding" if tied else "Embedding")
+    assert sm.qkv[0].format == sm.gate_up[0].format == "panel_bf16"
+    assert model.model.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert sm.stack is not None  # the C++ layer loop runs bf16 panels too
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2])  # 7 rows: fp32 activations in every Linear (below vdpbf16ps' 8)
+    torch.testing.assert_close(sm.forward(ids, [Segment(0, 0, 7)]), ref.forward(ids, [Segment(0, 0, 7)]),
+                               atol=1e-4, rtol=1e-4)
+    assert _greedy(sm) == _greedy(ref)
+
+
+def test_bf16_weights_need_the_kernels() -> None:
+    from memfit.errors import UserError
+
+    with pytest.raises(UserError, match="bf16 weights run on memfit's CPU kernels"):
+        SlotModel(_model(False), 1, 32, dense_kernel="on", cpu_kernels="off", bf16_weights=True)
+
+
+def test_bf16_weights_keep_an_unpackable_tied_table_tied() -> None:
+    model = _model(True).to(torch.bfloat16)  # vocabulary 300: no 16-row panels for the tied table
+    SlotModel(model, 1, 32, dense_kernel="on", cpu_kernels="on", bf16_weights=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.float32

@@ -217,3 +217,40 @@ def test_linear_panels_int8_weights(ops):
     torch.testing.assert_close(ops.linear_panels(x, packed, b, False, scale), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="needs a scale"):
         ops.linear_panels(x, packed)
+
+
+@pytest.mark.parametrize("n,k", [(16, 8), (48, 100), (1536, 512)])
+def test_linear_panels_bf16_weights(ops, n, k):
+    """bf16 panels equal F.linear on the bf16-rounded weight: with fp32 x below 8 rows, and with x rounded to
+    bf16 too from 8 rows where the CPU has AVX512-BF16 (vdpbf16ps)."""
+    torch.manual_seed(6)
+    w, b = torch.randn(n, k), torch.randn(n)
+    wb = w.bfloat16()
+    packed = ops.pack_panels(wb)
+    assert packed.shape == (n // 16, k // 2, 32) and packed.dtype == torch.bfloat16
+    dp = ops.has_avx512_bf16()
+    for rows in (0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 64):
+        x = torch.randn(rows, k)
+        xr = x.bfloat16().float() if dp and rows >= 8 else x
+        r = torch.randn(rows, n)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b), F.linear(xr, wb.float(), b), atol=1e-5 * k,
+                                   rtol=1e-4)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b, residual=r), F.linear(xr, wb.float(), b) + r,
+                                   atol=1e-5 * k, rtol=1e-4)
+    pairs = ops.pack_panels(torch.cat([wb[:16], wb[16:32]]) if n >= 32 else torch.cat([wb, wb]))
+    x = torch.randn(12, k)
+    xr = x.bfloat16().float() if dp else x
+    g, u = (wb[:16], wb[16:32]) if n >= 32 else (wb, wb)
+    torch.testing.assert_close(ops.linear_panels(x, pairs, None, True),
+                               F.silu(F.linear(xr, g.float())) * F.linear(xr, u.float()), atol=1e-4 * k, rtol=1e-3)
+    with pytest.raises(RuntimeError, match="even K"):
+        ops.pack_panels(torch.randn(16, 7).bfloat16())
+
+
+def test_peak_gflops_loop_runs(ops):
+    assert ops.peak_gflops(False, 1000) > 0
+    if ops.has_avx512_bf16():
+        assert ops.peak_gflops(True, 1000) > 0
+    else:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            ops.peak_gflops(True, 10)
