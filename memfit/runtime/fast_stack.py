@@ -65,4 +65,4 @@ def build(sm) -> object | None:
             cols["blocks"].append(block)
     return ops.LayerStack(cols["norm_in"], cols["norm_post"], float(eps), cols["kinds"], cols["a"], cols["b"],
                           cols["c"], cols["groups"], cols["blocks"], sm.k_cache, sm.v_cache, sm.num_heads,
-                          sm.num_kv, sm.head_dim, float(sm.scale))
+                          sm.num_kv, sm.head_dim, float(sm.scale), sm.bf16_dot)

@@ -52,12 +52,13 @@ class Int4KernelLinear(nn.Module):
         super().__init__()
         self.ql, self.ops, self.block = ql, ops, block
         self.in_features, self.out_features = ql.in_features, ql.out_features
+        self.bf16_dot = False  # prefill rows in bf16 on vdpbf16ps (the engine's bf16 mode sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             return self.ql(x)
         ql = self.ql
-        y = self.ops.int4_linear(x, ql.packed, ql.scale_zeros, ql.group_size, self.block)
+        y = self.ops.int4_linear(x, ql.packed, ql.scale_zeros, ql.group_size, self.block, bf16_dot=self.bf16_dot)
         return y if ql.bias is None else y + ql.bias.to(y.dtype)
 
     def stack_spec(self, gate_up: bool) -> StackSpec | None:
@@ -86,18 +87,20 @@ class FusedInt4Linear(nn.Module):
         if not on_kernel:
             self.ops = self.block = None
         self.pairs = on_kernel and len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % block == 0
+        self.bf16_dot = False  # prefill rows in bf16 on vdpbf16ps (the engine's bf16 mode sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is None or x.dtype != torch.float32:
             return _aten_int4(x, self.packed, self.scale_zeros, self.group)
-        return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block)
+        return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block, bf16_dot=self.bf16_dot)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             gu = _aten_int4(x, self.packed, self.scale_zeros, self.group)
             n = gu.shape[-1] // 2
             return torch.nn.functional.silu(gu[..., :n]) * gu[..., n:]
-        return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block, silu_mul=True)
+        return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block, silu_mul=True,
+                                    bf16_dot=self.bf16_dot)
 
     def stack_spec(self, gate_up: bool) -> StackSpec | None:
         if self.ops is None or (gate_up and not self.pairs):

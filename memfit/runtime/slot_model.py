@@ -167,6 +167,10 @@ class SlotModel:
             hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
             for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
+        self.bf16_dot = bf16  # bf16 mode: int4 prefill rows on vdpbf16ps too (x and dequantized weights in bf16)
+        for m in [*hf_model.modules(), *self.qkv, *self.gate_up]:
+            if hasattr(m, "bf16_dot"):
+                m.bf16_dot = bf16
         self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
                            for g, ly in zip(self.gate_up, self.layers, strict=True)]
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)

@@ -83,6 +83,6 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
                          bool silu_mul, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block, bool silu_mul);
+                       int64_t group_size, int64_t block, bool silu_mul, bool bf16_dot = false);
 
 }  // namespace memfit

@@ -97,7 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &memfit::rope_store, "in-place RoPE on q/k heads, then k/v into the slot caches (fp32)");
   m.def("int4_linear", &memfit::int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)",
         py::arg("x"), py::arg("packed"), py::arg("scale_zeros"), py::arg("group_size"), py::arg("block"),
-        py::arg("silu_mul") = false);
+        py::arg("silu_mul") = false, py::arg("bf16_dot") = false);
   m.def("decode_attention", &memfit::decode_attention, "one-token-per-sequence attention over the slot caches (fp32)");
   m.def("prefill_attention", &memfit::prefill_attention,
         "causal attention of prefill chunks (offset, length, slot, start) over the slot caches into out (fp32)");

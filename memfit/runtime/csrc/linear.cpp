@@ -405,9 +405,71 @@ inline void int4_direct(const float* xg, int64_t K, const uint8_t* pk, const v16
     }
 }
 
+#ifdef __AVX512BF16__
+// int4_rows on a bf16 tile of k pairs ([gs / 2][B][2]) with x as bf16 pairs (xg: this group's pairs of row 0,
+// rows K / 2 apart): one vdpbf16ps per k pair and 16 outputs, twice the fp32 FMA loop's FLOPS (prefill rows)
+template <int B, int MR, int V0, int VN>
+inline void int4_rows_dp(const uint32_t* xg, int64_t K, const uint16_t* tile, int64_t gs, float* y, int64_t N,
+                         bool first) {
+  __m512 acc[MR][VN];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < VN; ++v)
+      acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * N + (V0 + v) * 16);
+  for (int64_t kp = 0; kp < gs / 2; ++kp) {
+    __m512bh w[VN];
+    for (int v = 0; v < VN; ++v) w[v] = (__m512bh)_mm512_load_si512(tile + (kp * B + (V0 + v) * 16) * 2);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xg[m * (K / 2) + kp]));
+      for (int v = 0; v < VN; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < VN; ++v) _mm512_storeu_ps(y + m * N + (V0 + v) * 16, acc[m][v]);
+}
+
+// two dequantized k rows (16 outputs each) as 16 lanes of bf16 pairs (even k low, odd k high; nearest even)
+inline __m512i bf16_pairs(const v16& even, const v16& odd) {
+  __m512 e, o;
+  std::memcpy(&e, &even, 64);
+  std::memcpy(&o, &odd, 64);
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(o));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// the tile path of int4_block with vdpbf16ps: group g of this block dequantized into bf16 pairs, then 8-row
+// passes (and a tail of fewer rows) over it
 template <int B>
-void int4_block(const float* x, int64_t M, int64_t K, const uint8_t* pk, const uint16_t* sz, int64_t N, int64_t n0,
-                int64_t gs, float* y, float* tile) {
+void int4_group_dp(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* pk, const v16* sc, const v16* ze,
+                   int64_t g, int64_t gs, float* y, int64_t N, int64_t n0, uint16_t* tile) {
+  constexpr int V = B / 16, H = V / 2;
+  for (int64_t kk = 0; kk < gs; kk += 2) {
+    const uint8_t* r0 = pk + (g * gs + kk) * (B / 2);
+    const uint8_t* r1 = r0 + B / 2;
+    uint16_t* t = tile + kk * B;  // pair kk / 2: [B][2]
+    for (int h = 0; h < H; ++h) {
+      v16 lo0, hi0, lo1, hi1;
+      nibbles_to_float(r0 + h * 16, lo0, hi0);
+      nibbles_to_float(r1 + h * 16, lo1, hi1);
+      _mm512_store_si512(t + h * 32, bf16_pairs(lo0 * sc[h] + ze[h], lo1 * sc[h] + ze[h]));
+      _mm512_store_si512(t + (H + h) * 32, bf16_pairs(hi0 * sc[H + h] + ze[H + h], hi1 * sc[H + h] + ze[H + h]));
+    }
+  }
+  const bool first = g == 0;
+  const uint32_t* xg = xb + g * gs / 2;
+  int64_t m0 = 0;
+  for (; m0 + 8 <= M; m0 += 8) {
+    int4_rows_dp<B, 8, 0, H>(xg + m0 * (K / 2), K, tile, gs, y + m0 * N + n0, N, first);
+    int4_rows_dp<B, 8, H, H>(xg + m0 * (K / 2), K, tile, gs, y + m0 * N + n0, N, first);
+  }
+  for (; m0 < M; ++m0) int4_rows_dp<B, 1, 0, V>(xg + m0 * (K / 2), K, tile, gs, y + m0 * N + n0, N, first);
+}
+#endif
+
+// xb: x as bf16 pairs where the tile path runs on vdpbf16ps (rows >= kDpbf16MinRows), else null
+template <int B>
+void int4_block(const float* x, const uint32_t* xb, int64_t M, int64_t K, const uint8_t* pk, const uint16_t* sz,
+                int64_t N, int64_t n0, int64_t gs, float* y, float* tile) {
   constexpr int V = B / 16;  // output vectors per block
   const int64_t G = K / gs;
   for (int64_t g = 0; g < G; ++g) {
@@ -428,6 +490,12 @@ void int4_block(const float* x, int64_t M, int64_t K, const uint8_t* pk, const u
       }
       continue;
     }
+#ifdef __AVX512BF16__
+    if (xb) {
+      int4_group_dp<B>(xb, M, K, pk, sc, ze, g, gs, y, N, n0, reinterpret_cast<uint16_t*>(tile));
+      continue;
+    }
+#endif
     for (int64_t kk = 0; kk < gs; ++kk) {
       const uint8_t* row = pk + (g * gs + kk) * (B / 2);
       float* t = tile + kk * B;
@@ -456,11 +524,13 @@ void int4_block(const float* x, int64_t M, int64_t K, const uint8_t* pk, const u
 }
 
 // y = x @ W^T for x [..., K] fp32 and W in torch's CPU int4 pack with B-row blocks (B = 32 or 64).
+// bf16_dot: from 8 rows on, on AVX512-BF16, x and the dequantized weights are rounded to bf16 and multiplied
+// with vdpbf16ps (twice the FLOPS of the exact fp32 path; the engine's bf16 mode asks for it).
 // silu_mul: W is [gate; up] (N rows, the halves each a multiple of B) and y [..., N / 2] gets silu(gate) * up,
 // each thread computing a gate block and its up block and combining them while they are in L1 (as the panel
 // kernel's epilogue; replaced at::silu, narrow and mul_ after the call)
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block, bool silu_mul) {
+                       int64_t group_size, int64_t block, bool silu_mul, bool bf16_dot) {
   check_f32_cpu(x_in, "x");
   TORCH_CHECK(block == 32 || block == 64, "block must be 32 or 64");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
@@ -485,13 +555,16 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t nb = N / block, half = N / 2;
+  at::Tensor xbt;  // x rounded to bf16 once per call where the dequantized tiles run on vdpbf16ps (bf16_dot)
+  if (bf16_dot && has_avx512_bf16() && M >= kDpbf16MinRows && group_size % 2 == 0) xbt = x.to(at::kBFloat16);
+  const uint32_t* xb = xbt.defined() ? reinterpret_cast<const uint32_t*>(xbt.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, silu_mul ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(group_size * block + 16);
     float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     auto run = [&](int64_t b) {
       const uint8_t* pk = pp + b * block * (K / 2);
-      if (block == 64) int4_block<64>(xp, M, K, pk, szp, N, b * 64, group_size, yp, tile);
-      else int4_block<32>(xp, M, K, pk, szp, N, b * 32, group_size, yp, tile);
+      if (block == 64) int4_block<64>(xp, xb, M, K, pk, szp, N, b * 64, group_size, yp, tile);
+      else int4_block<32>(xp, xb, M, K, pk, szp, N, b * 32, group_size, yp, tile);
     };
     for (int64_t b = b0; b < b1; ++b) {
       run(b);

@@ -20,12 +20,12 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
     case kPanelSiluPairs:
       return linear_panels(x, l.a, opt(l.b), l.kind == kPanelSiluPairs, opt(l.c), opt(residual));
     case kInt4: {
-      auto y = int4_linear(x, l.a, l.b, l.group, l.block, false);
+      auto y = int4_linear(x, l.a, l.b, l.group, l.block, false, l.bf16_dot);
       if (l.c.defined()) y.add_(l.c);
       return residual.defined() ? y.add_(residual) : y;
     }
     case kInt4GateUp:  // [gate | up] in one int4 call, silu(gate) * up out
-      return int4_linear(x, l.a, l.b, l.group, l.block, true);
+      return int4_linear(x, l.a, l.b, l.group, l.block, true, l.bf16_dot);
   }
   TORCH_CHECK(false, "unknown linear kind ", l.kind);
 }
@@ -36,7 +36,7 @@ LayerStack::LayerStack(std::vector<at::Tensor> norm_in, std::vector<at::Tensor> 
                        std::vector<int64_t> kinds, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
                        std::vector<at::Tensor> c, std::vector<int64_t> groups, std::vector<int64_t> blocks,
                        std::vector<at::Tensor> k_cache, std::vector<at::Tensor> v_cache, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, double scale)
+                       int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot)
     : norm_in_(std::move(norm_in)), norm_post_(std::move(norm_post)), eps_(eps), kc_(std::move(k_cache)),
       vc_(std::move(v_cache)), H_(heads), KV_(kv_heads), D_(head_dim), scale_(scale) {
   const size_t L = norm_in_.size();
@@ -46,7 +46,7 @@ LayerStack::LayerStack(std::vector<at::Tensor> norm_in, std::vector<at::Tensor> 
               "LayerStack: 4 linears (qkv, o, gate_up, down) and 2 norms per layer");
   for (size_t i = 0; i < 4 * L; ++i) {
     auto none = [](const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; };
-    linears_.push_back(LinearSpec{kinds[i], a[i], none(b[i]), none(c[i]), groups[i], blocks[i]});
+    linears_.push_back(LinearSpec{kinds[i], a[i], none(b[i]), none(c[i]), groups[i], blocks[i], bf16_dot});
   }
 }
 
@@ -124,7 +124,7 @@ void bind_stack(pybind11::module_& m) {
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, double, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, int64_t, int64_t, int64_t, double>())
+                          std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &LayerStack::forward,
            "the decoder layers over h [T, hidden] (fp32, CPU): the last layer's output rows `keep` "
            "([len(keep), hidden]), all T rows where keep is empty");

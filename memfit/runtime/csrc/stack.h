@@ -15,6 +15,7 @@ struct LinearSpec {
   int64_t kind;
   at::Tensor a, b, c;
   int64_t group, block;
+  bool bf16_dot;  // int4: x and weights rounded to bf16 for vdpbf16ps at prefill sizes (int4_linear)
 };
 
 class LayerStack {
@@ -23,7 +24,7 @@ class LayerStack {
              std::vector<int64_t> kinds, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
              std::vector<at::Tensor> c, std::vector<int64_t> groups, std::vector<int64_t> blocks,
              std::vector<at::Tensor> k_cache, std::vector<at::Tensor> v_cache, int64_t heads, int64_t kv_heads,
-             int64_t head_dim, double scale);
+             int64_t head_dim, double scale, bool bf16_dot);
   at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                      const at::Tensor& positions, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
                      const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill,

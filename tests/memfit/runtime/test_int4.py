@@ -96,3 +96,24 @@ def test_equal_halves_fuse_as_silu_pairs() -> None:
     gu = f(x)  # [gate | up] from the same fp32 kernel
     want = torch.nn.functional.silu(gu[:, :128]) * gu[:, 128:]
     torch.testing.assert_close(f.silu_mul(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_int4_bf16_dot_rounds_x_and_weights_to_bf16_from_8_rows() -> None:
+    """The engine's bf16 mode: from 8 rows (prefill) on AVX512-BF16, x and the dequantized weights are rounded to
+    bf16 and multiplied with vdpbf16ps; fewer rows (decode) stay exact. Without the flag every size is exact."""
+    from memfit.runtime import kernels
+
+    ops = kernels.load("on")
+    mods = _linears([128, 64, 64])
+    f = fuse(mods, ops)
+    f.bf16_dot = True
+    for rows in (1, 4, 7, 8, 16, 70):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        exact = torch.cat([_exact(m, x) for m in mods], -1)
+        if rows >= 8 and ops.has_avx512_bf16():
+            ws = [_exact(m, torch.eye(256)).t() for m in mods]  # W [n, k], dequantized
+            want = torch.cat([x.bfloat16().float() @ w.bfloat16().float().t() for w in ws], -1)
+            assert (f(x) - exact).abs().max() > 1e-3  # it did round
+        else:
+            want = exact
+        torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
