@@ -352,6 +352,11 @@ def write_report(data: dict) -> None:
 
 
 def main() -> int:
+    if "--real" in sys.argv[1:]:  # the real model against vLLM-CPU / llama-server / transformers (serving_real.py)
+        sys.path.insert(0, str(ROOT))
+        from bench.serving_real import main as real
+
+        return real([x for x in sys.argv[1:] if x != "--real"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, few requests (smoke test of this script)")
     ap.add_argument("--levels", default="1,4,16")
