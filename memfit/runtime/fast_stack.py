@@ -41,7 +41,7 @@ def build(sm) -> object | None:
     eps = None
     for li, layer in enumerate(sm.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if hasattr(attn, "q_norm") or not sm.silu_pairs[li]:  # the MLP as silu(gate) * up pairs (panel or int4)
+        if hasattr(attn, "q_norm") or sm.act_pairs[li] != "silu":  # the MLP as silu(gate) * up pairs
             return None
         norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
         if any(n is None for n in norms):

@@ -30,6 +30,7 @@ from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
+from memfit.runtime.linear import activation
 from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, tp_shards
 from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
@@ -130,8 +131,10 @@ class SlotModel:
             hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
             for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
-        self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-                           for g, ly in zip(self.gate_up, self.layers, strict=True)]
+        # per layer: the MLP's activation where its gate/up projection computes act(gate) * up in its epilogue
+        # (linear.ACTS: SiLU, GELU-tanh), else None
+        self.act_pairs = [activation(ly.mlp.act_fn) if getattr(g, "pairs", False) else None
+                          for g, ly in zip(self.gate_up, self.layers, strict=True)]
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self.rope = Rope(self.inner.rotary_emb, list(getattr(cfg, "layer_types", None) or [None] * len(self.layers)),
                          max_seq_len, self.head_dim)
@@ -313,8 +316,8 @@ class SlotModel:
         else:
             h = h + attn_out
             x = self._rms_norm(layer.post_attention_layernorm, h, ops)
-        if self.silu_pairs[li]:
-            y = layer.mlp.down_proj(self.gate_up[li].silu_mul(x))  # activation in the GEMM (dense.py)
+        if self.act_pairs[li]:
+            y = layer.mlp.down_proj(self.gate_up[li].act_mul(x, self.act_pairs[li]))  # activation in the GEMM
         elif self.gate_up[li] is not None:
             gu = self.gate_up[li](x)
             n = gu.shape[-1] // 2

@@ -39,6 +39,24 @@ inline v16 vexp(v16 x) {
   return p * two_n;
 }
 
+// A gated MLP's activation, applied in a Linear's epilogue to (gate, up) pairs: y = act(gate) * up
+// (memfit.runtime.linear.ACTS names them for Python).
+enum Act : int64_t { kNoAct = 0, kSilu = 1, kGeluTanh = 2 };
+
+// act(g) * u for 16 lanes. GELU-tanh is 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), computed as
+// g / (1 + exp(-2 u)): the same function (0.5 (1 + tanh(u)) = sigmoid(2 u)), without the cancellation of
+// 1 + tanh(u) where u is negative; within ~1e-7 relative of torch's gelu(approximate='tanh') where that is exact.
+template <int ACT>
+inline v16 act_mul(v16 g, v16 u) {
+  static_assert(ACT == kSilu || ACT == kGeluTanh, "act_mul: silu or gelu_tanh");
+  if constexpr (ACT == kSilu) {
+    return g / (1.f + vexp(-g)) * u;
+  } else {
+    constexpr float c = -1.5957691216057308f;  // -2 sqrt(2 / pi)
+    return g / (1.f + vexp(g * (c + (c * 0.044715f) * g * g))) * u;
+  }
+}
+
 inline void check_f32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
 }
@@ -76,9 +94,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul, const c10::optional<at::Tensor>& scale,
+                         int64_t act, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block, bool silu_mul);
+                       int64_t group_size, int64_t block, int64_t act);
 
 }  // namespace memfit

@@ -86,14 +86,15 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   memfit::bind_stack(m);
   m.def("pack_panels", &memfit::pack_panels, "an fp32 Linear weight [N, K] in linear_panels' layout [N / 16, K, 16]");
-  m.def("linear_panels", &memfit::linear_panels, "x @ W^T (+ bias) on a pack_panels weight (fp32)", py::arg("x"),
-        py::arg("packed"), py::arg("bias") = py::none(), py::arg("silu_mul") = false,
+  m.def("linear_panels", &memfit::linear_panels,
+        "x @ W^T (+ bias) on a pack_panels weight (fp32); act 1 / 2: silu / gelu_tanh(gate) * up of panel pairs",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("act") = 0,
         py::arg("scale") = py::none(), py::arg("residual") = py::none());
   m.def("rms_norm", &memfit::rms_norm, "fused RMSNorm over the last dim (fp32)");
   m.def("rope_store", &memfit::rope_store, "in-place RoPE on q/k heads, then k/v into the slot caches (fp32)");
   m.def("int4_linear", &memfit::int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)",
         py::arg("x"), py::arg("packed"), py::arg("scale_zeros"), py::arg("group_size"), py::arg("block"),
-        py::arg("silu_mul") = false);
+        py::arg("act") = 0);
   m.def("decode_attention", &memfit::decode_attention, "one-token-per-sequence attention over the slot caches (fp32)");
   m.def("prefill_attention", &memfit::prefill_attention,
         "causal attention of prefill chunks (offset, length, slot, start) over the slot caches into out (fp32)");

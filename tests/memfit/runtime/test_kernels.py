@@ -165,7 +165,11 @@ def test_int4_linear_refuses_bad_shapes(ops):
         ops.int4_linear(torch.zeros(2, 128), packed, sz, 128, 16)
 
 
-def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
+def _act(name: str, g: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) if name == "silu" else F.gelu(g, approximate="tanh")
+
+
+def test_int4_linear_act_mul_equals_the_activation_of_the_plain_call(ops):
     from compress.quant import QuantArgs
     from compress.rtn import rtn
     from memfit.runtime.qlinear import quant_linear
@@ -179,15 +183,19 @@ def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
     for rows in (1, 3, 4, 5, 16):
         x = torch.randn(rows, k)
         gu = ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block)
-        want = F.silu(gu[:, :n]) * gu[:, n:]
-        torch.testing.assert_close(ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, True), want,
-                                   atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="silu_mul"):  # halves that are not whole blocks
+        for act, name in ((True, "silu"), (1, "silu"), (2, "gelu_tanh")):  # True: what callers passed before
+            want = _act(name, gu[:, :n]) * gu[:, n:]
+            torch.testing.assert_close(ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, act), want,
+                                       atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, 3)
+    with pytest.raises(RuntimeError, match="act_mul"):  # halves that are not whole blocks
         odd = quant_linear(rtn(torch.randn(3 * block, k), QuantArgs(4, 128, False)), None)
         ops.int4_linear(x, odd.packed, odd.scale_zeros, 128, block, True)
 
 
-def test_linear_panels_silu_mul_matches_torch(ops):
+@pytest.mark.parametrize("act,name", [(1, "silu"), (2, "gelu_tanh")])
+def test_linear_panels_act_mul_matches_torch(ops, act, name):
     torch.manual_seed(4)
     n, k = 48, 40
     g, u, bg, bu = torch.randn(n, k) * 0.3, torch.randn(n, k) * 0.3, torch.randn(n), torch.randn(n)
@@ -196,15 +204,22 @@ def test_linear_panels_silu_mul_matches_torch(ops):
     packed = ops.pack_panels(pairs)
     for rows in (1, 2, 3, 8, 12, 13, 16, 25):  # the 4-pair (<= 2 rows) and 8-row passes and their tails
         x = torch.randn(rows, k) * 3
-        want = F.silu(F.linear(x, g, bg)) * F.linear(x, u, bu)
-        torch.testing.assert_close(ops.linear_panels(x, packed, b, True), want, atol=1e-4, rtol=1e-4)
+        want = _act(name, F.linear(x, g, bg)) * F.linear(x, u, bu)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b, act), want, atol=1e-4, rtol=1e-4)
     # the epilogue's exp over the whole float range: gate = x itself, up = 1
     ident = torch.cat([torch.eye(16), torch.zeros(16, 16)])
     x = torch.cat([torch.linspace(-120, 120, 3996), torch.tensor([0.0, -87.4, 88.4, 1e-30])]).view(-1, 16)
-    got = ops.linear_panels(x, ops.pack_panels(ident), torch.cat([torch.zeros(16), torch.ones(16)]), True)
-    torch.testing.assert_close(got, F.silu(x), atol=1e-6, rtol=2e-6)
+    got = ops.linear_panels(x, ops.pack_panels(ident), torch.cat([torch.zeros(16), torch.ones(16)]), act)
+    torch.testing.assert_close(got, _act(name, x), atol=1e-6, rtol=2e-6)
+    if name == "gelu_tanh":
+        # against the exact tanh form in fp64: torch's own fp32 gelu loses ~2e-5 relative to 1 + tanh(u)'s
+        # cancellation at negative x, the epilogue's x * sigmoid(2 u) form stays within ~6e-7
+        xd = x.double()
+        exact = 0.5 * xd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd ** 3)))
+        big = exact.abs() > 1e-3
+        assert ((got.double() - exact).abs()[big] / exact.abs()[big]).max() < 2e-6
     with pytest.raises(RuntimeError, match="pairs"):
-        ops.linear_panels(torch.randn(1, 8), ops.pack_panels(torch.randn(16, 8)), None, True)
+        ops.linear_panels(torch.randn(1, 8), ops.pack_panels(torch.randn(16, 8)), None, act)
 
 
 def test_linear_panels_int8_weights(ops):
