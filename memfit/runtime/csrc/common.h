@@ -82,14 +82,17 @@ inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, in
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
-                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions);
+                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions,
+                const c10::optional<at::Tensor>& q_norm, double q_eps, const c10::optional<at::Tensor>& k_norm,
+                double k_eps);
 
 // attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale);
-bool prefill_attention_fits(int64_t head_dim, int64_t end);
+                            const at::Tensor& lens, double scale, int64_t window);
+bool prefill_attention_fits(int64_t head_dim, int64_t keys);
+int64_t first_key(int64_t start, int64_t window);
 void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
-                       const std::vector<int64_t>& segs, double scale);
+                       const std::vector<int64_t>& segs, double scale, int64_t window);
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);

@@ -65,15 +65,15 @@ at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Te
     at::Tensor& vc = vc_[li];
     auto x = rms_norm(h, norm_in_[li], eps_);
     auto heads = run_linear(lin[0], x).view({T, H + 2 * KV, D});
-    rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, positions);
+    rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, positions, c10::nullopt, 0.0, c10::nullopt, 0.0);
     auto q = heads.narrow(1, 0, H);
     at::Tensor out;
     if (all_dec) {
-      out = decode_attention(q, kc, vc, dec_slots, dec_len, scale_);
+      out = decode_attention(q, kc, vc, dec_slots, dec_len, scale_, 0);
     } else {
       out = at::empty({T, H, D}, h.options());
       if (any_dec) out.index_copy_(0, dec_tok, decode_attention(q.index_select(0, dec_tok), kc, vc, dec_slots,
-                                                                dec_len, scale_));
+                                                                dec_len, scale_, 0));
       std::vector<int64_t> ours;  // the chunks prefill_attention takes, in one call (one parallel region)
       for (size_t i = 0; i < prefill.size(); i += 4) {
         const int64_t a = prefill[i], n = prefill[i + 1], slot = prefill[i + 2], start = prefill[i + 3];
@@ -102,7 +102,7 @@ at::Tensor LayerStack::forward(at::Tensor h, const at::Tensor& cos, const at::Te
           at::lerp_out(dst, std::get<0>(B), std::get<0>(A), w);
         }
       }
-      if (!ours.empty()) prefill_attention(q, kc, vc, out, ours, scale_);
+      if (!ours.empty()) prefill_attention(q, kc, vc, out, ours, scale_, 0);
     }
     out = out.view({T, H * D});
     if (li + 1 == L && keep.numel() > 0) {
