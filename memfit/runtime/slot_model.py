@@ -235,10 +235,10 @@ class SlotModel:
         keep = want if want else [T - 1]
         keep_t = _NO_ROWS if len(keep) == T else torch.tensor(keep, dtype=torch.long)  # empty: every row
         if self.stack is not None:  # every layer on memfit.runtime.kernels: the C++ loop (fast_stack.py)
-            cos, sin = ropes[None]
             prefill = [x for i, s in pre for x in (offsets[i], s.length, s.slot, s.start)]
-            h = self.stack.forward(h[0], cos, sin, slots, positions, dec_tok, dec_slots, dec_len, all_dec,
-                                   prefill, keep_t)[None]
+            tables = [ropes[k] for k in self.rope.kinds]  # fast_stack numbers each layer's table in this order
+            h = self.stack.forward(h[0], [c for c, _ in tables], [s_ for _, s_ in tables], slots, positions, dec_tok,
+                                   dec_slots, dec_len, all_dec, prefill, keep_t)[None]
         else:
             h = self._python_layers(h, index, lay, keep_t)
         if not want:
