@@ -40,7 +40,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.runtime.linear import NONE, PANEL, PANEL_SILU_PAIRS, StackSpec, is_resident, is_torch_int8, weight_format
+from memfit.runtime.linear import (
+    ACTS,
+    NONE,
+    PAIR_KINDS,
+    PANEL,
+    StackSpec,
+    is_resident,
+    is_torch_int8,
+    weight_format,
+)
 
 MODES = ("auto", "on", "off")
 # The batch size oneDNN picks the weight's blocked layout for. Measured on the 2-core AVX-512 host, 2 threads,
@@ -98,7 +107,7 @@ class OneDNNLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def stack_spec(self, gate_up: bool) -> StackSpec | None:
+    def stack_spec(self, gate_up: bool, act: str = "silu") -> StackSpec | None:
         return None  # the C++ layer loop runs memfit's own kernels only
 
     def extra_repr(self) -> str:
@@ -110,9 +119,9 @@ class PanelLinear(nn.Module):
     output size that is not a multiple of 16 (a vocabulary) is padded with zero rows, sliced off each call.
 
     ``pairs``: a fused gate/up projection whose 16-row panels alternate gate and up rows of the same outputs,
-    so ``silu_mul(x)`` gets the MLP's ``silu(gate) * up`` from the GEMM's epilogue (no [T, 2 n] intermediate,
-    no separate silu and mul passes: 6.3 of a 256-token prefill step's 104 ms); ``forward`` still returns
-    ``[gate | up]``.
+    so ``act_mul(x, act)`` gets the MLP's ``act(gate) * up`` (SiLU or GELU-tanh) from the GEMM's epilogue (no
+    [T, 2 n] intermediate, no separate activation and mul passes: 6.3 of a 256-token prefill step's 104 ms);
+    ``forward`` still returns ``[gate | up]``.
 
     int8 weights (``serve --quantize int8``: torch's dynamic-quantized Linears) keep their codes and scales and
     run with fp32 activations (weight-only int8: the weight streams at a quarter of fp32's bytes; torch's own
@@ -156,9 +165,12 @@ class PanelLinear(nn.Module):
             return y.view(*y.shape[:-1], -1, 2, 16).transpose(-3, -2).reshape(y.shape)
         return y if y.shape[-1] == self.out_features else y[..., :self.out_features].contiguous()
 
+    def act_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of a ``pairs`` projection, ``act`` one of linear.ACTS."""
+        return self.ops.linear_panels(x, self.packed, self.bias, ACTS[act], self.scale)
+
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a ``pairs`` projection."""
-        return self.ops.linear_panels(x, self.packed, self.bias, True, self.scale)
+        return self.act_mul(x, "silu")
 
     @property
     def format(self) -> str:
@@ -166,10 +178,10 @@ class PanelLinear(nn.Module):
             return "panel_int8"
         return "panel_bf16" if self.packed.dtype == torch.bfloat16 else "panel_fp32"
 
-    def stack_spec(self, gate_up: bool) -> StackSpec | None:
+    def stack_spec(self, gate_up: bool, act: str = "silu") -> StackSpec | None:
         if self.pairs != gate_up or self.packed.shape[0] * 16 != self.out_features:  # padded outputs: sliced here
             return None
-        return StackSpec(PANEL_SILU_PAIRS if gate_up else PANEL, self.packed,
+        return StackSpec(PAIR_KINDS[act][0] if gate_up else PANEL, self.packed,
                          NONE if self.bias is None else self.bias.detach(), NONE if self.scale is None else self.scale,
                          0, 0)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from memfit.runtime.kernels import int4_block
-from memfit.runtime.linear import INT4, INT4_GATE_UP, NONE, StackSpec, is_resident, weight_format
+from memfit.runtime.linear import ACTS, INT4, NONE, PAIR_KINDS, StackSpec, is_resident, weight_format
 
 
 @functools.cache
@@ -61,7 +61,7 @@ class Int4KernelLinear(nn.Module):
         y = self.ops.int4_linear(x, ql.packed, ql.scale_zeros, ql.group_size, self.block, bf16_dot=self.bf16_dot)
         return y if ql.bias is None else y + ql.bias.to(y.dtype)
 
-    def stack_spec(self, gate_up: bool) -> StackSpec | None:
+    def stack_spec(self, gate_up: bool, act: str = "silu") -> StackSpec | None:
         if gate_up:
             return None
         ql = self.ql
@@ -73,8 +73,8 @@ class FusedInt4Linear(nn.Module):
     """Several bias-free int4 projections of one input as one int4 matmul over their concatenated packs:
     memfit's kernel for fp32 inputs when built (``ops``), aten's otherwise.
 
-    ``pairs``: two equal halves (the MLP's gate and up) whose ``silu(gate) * up`` the kernel computes in its
-    epilogue (``silu_mul``; SlotModel checks the activation is SiLU before using it)."""
+    ``pairs``: two equal halves (the MLP's gate and up) whose ``act(gate) * up`` the kernel computes in its
+    epilogue (``act_mul``, SiLU or GELU-tanh: SlotModel probes the MLP's activation before using it)."""
 
     FORMAT = "int4_fused"
 
@@ -94,18 +94,24 @@ class FusedInt4Linear(nn.Module):
             return _aten_int4(x, self.packed, self.scale_zeros, self.group)
         return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block, bf16_dot=self.bf16_dot)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def act_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act(gate) * up`` of a ``pairs`` projection, ``act`` one of linear.ACTS."""
         if x.dtype != torch.float32:
             gu = _aten_int4(x, self.packed, self.scale_zeros, self.group)
             n = gu.shape[-1] // 2
-            return torch.nn.functional.silu(gu[..., :n]) * gu[..., n:]
-        return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block, silu_mul=True,
+            f = torch.nn.functional
+            g = f.silu(gu[..., :n]) if act == "silu" else f.gelu(gu[..., :n], approximate="tanh")
+            return g * gu[..., n:]
+        return self.ops.int4_linear(x, self.packed, self.scale_zeros, self.group, self.block, act=ACTS[act],
                                     bf16_dot=self.bf16_dot)
 
-    def stack_spec(self, gate_up: bool) -> StackSpec | None:
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act_mul(x, "silu")
+
+    def stack_spec(self, gate_up: bool, act: str = "silu") -> StackSpec | None:
         if self.ops is None or (gate_up and not self.pairs):
             return None
-        return StackSpec(INT4_GATE_UP if gate_up else INT4, self.packed, self.scale_zeros, NONE, self.group,
+        return StackSpec(PAIR_KINDS[act][1] if gate_up else INT4, self.packed, self.scale_zeros, NONE, self.group,
                          self.block)
 
 

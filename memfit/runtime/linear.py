@@ -6,9 +6,11 @@ quant handlers: a format is packed from its weights once, at load (the class's c
 
 - ``in_features``, ``out_features`` and ``forward(x)`` (apply), as ``nn.Linear``;
 - ``FORMAT``: its name, shown by /health and in plans;
-- ``stack_spec(gate_up)``: what the C++ layer loop (``fast_stack``, ``csrc/stack.h``: ``LinearSpec``) needs
-  to run it, or None where that loop cannot;
-- ``pairs`` and ``silu_mul(x)`` where the format computes an MLP's ``silu(gate) * up`` in its epilogue.
+- ``stack_spec(gate_up, act)``: what the C++ layer loop (``fast_stack``, ``csrc/stack.h``: ``LinearSpec``)
+  needs to run it (with ``gate_up``: as an MLP's gate/up pairs with activation ``act``), or None where that loop
+  cannot;
+- ``pairs`` and ``act_mul(x, act)`` where the format computes an MLP's ``act(gate) * up`` in its epilogue (``act``
+  one of ``ACTS``: "silu", "gelu_tanh"; ``silu_mul(x)`` is ``act_mul(x, "silu")``).
 
 The formats: ``dense.PanelLinear`` (fp32 or weight-only int8 on memfit's panel GEMM), ``dense.OneDNNLinear``
 (fp32 on oneDNN's reordered weight), ``dense.FusedSlice`` (one projection of a fused one),
@@ -28,8 +30,32 @@ import torch
 from torch import nn
 
 # csrc/stack.h: LinearKind
-PANEL, PANEL_SILU_PAIRS, INT4, INT4_GATE_UP = 0, 1, 2, 3
+PANEL, PANEL_SILU_PAIRS, INT4, INT4_GATE_UP, PANEL_GELU_PAIRS, INT4_GATE_UP_GELU = 0, 1, 2, 3, 4, 5
 NONE = torch.empty(0)  # "this projection has no such tensor" for the C++ loop
+# the activations the kernels apply to (gate, up) pairs, as csrc/common.h's Act: y = act(gate) * up
+ACTS = {"silu": 1, "gelu_tanh": 2}
+PAIR_KINDS = {"silu": (PANEL_SILU_PAIRS, INT4_GATE_UP), "gelu_tanh": (PANEL_GELU_PAIRS, INT4_GATE_UP_GELU)}
+
+
+def activation(fn) -> str | None:
+    """Which of ``ACTS`` an MLP's ``act_fn`` computes (SiLU; GELU's tanh approximation, as HF's
+    gelu_pytorch_tanh and gelu_new), or None. Probed on a fixed input once, as ``rms_norm_weight`` probes
+    norms, rather than read from class names."""
+    if not callable(fn):
+        return None
+    x = torch.linspace(-8, 8, 161)
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:  # noqa: BLE001 - anything the probe cannot run is not an activation we know
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != torch.float32:
+        return None
+    refs = {"silu": torch.nn.functional.silu(x), "gelu_tanh": torch.nn.functional.gelu(x, approximate="tanh")}
+    for name, ref in refs.items():
+        if torch.allclose(y, ref, atol=1e-6, rtol=1e-5):
+            return name
+    return None
 
 
 class StackSpec(NamedTuple):
@@ -51,7 +77,7 @@ class StackableLinear(Protocol):
     in_features: int
     out_features: int
 
-    def stack_spec(self, gate_up: bool) -> StackSpec | None: ...
+    def stack_spec(self, gate_up: bool, act: str = "silu") -> StackSpec | None: ...
 
 
 def is_torch_int8(m: nn.Module) -> bool:

@@ -30,7 +30,7 @@ from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
-from memfit.runtime.linear import weight_format
+from memfit.runtime.linear import activation, weight_format
 from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, tp_shards
 from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
@@ -171,8 +171,10 @@ class SlotModel:
         for m in [*hf_model.modules(), *self.qkv, *self.gate_up]:
             if hasattr(m, "bf16_dot"):
                 m.bf16_dot = bf16
-        self.silu_pairs = [getattr(g, "pairs", False) and type(ly.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-                           for g, ly in zip(self.gate_up, self.layers, strict=True)]
+        # per layer: the MLP's activation where its gate/up projection computes act(gate) * up in its epilogue
+        # (linear.ACTS: SiLU, GELU-tanh), else None
+        self.act_pairs = [activation(ly.mlp.act_fn) if getattr(g, "pairs", False) else None
+                          for g, ly in zip(self.gate_up, self.layers, strict=True)]
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self.rope = Rope(self.inner.rotary_emb, list(getattr(cfg, "layer_types", None) or [None] * len(self.layers)),
                          max_seq_len, self.head_dim)
@@ -275,10 +277,10 @@ class SlotModel:
         keep = want if want else [T - 1]
         keep_t = _NO_ROWS if len(keep) == T else torch.tensor(keep, dtype=torch.long)  # empty: every row
         if self.stack is not None:  # every layer on memfit.runtime.kernels: the C++ loop (fast_stack.py)
-            cos, sin = ropes[None]
             prefill = [x for i, s in pre for x in (offsets[i], s.length, s.slot, s.start)]
-            h = self.stack.forward(h[0], cos, sin, slots, positions, dec_tok, dec_slots, dec_len, all_dec,
-                                   prefill, keep_t)[None]
+            tables = [ropes[k] for k in self.rope.kinds]  # fast_stack numbers each layer's table in this order
+            h = self.stack.forward(h[0], [c for c, _ in tables], [s_ for _, s_ in tables], slots, positions, dec_tok,
+                                   dec_slots, dec_len, all_dec, prefill, keep_t)[None]
         else:
             h = self._python_layers(h, index, lay, keep_t)
         if not want:
@@ -356,8 +358,8 @@ class SlotModel:
         else:
             h = h + attn_out
             x = self._rms_norm(layer.post_attention_layernorm, h, ops)
-        if self.silu_pairs[li]:
-            y = layer.mlp.down_proj(self.gate_up[li].silu_mul(x))  # activation in the GEMM (dense.py)
+        if self.act_pairs[li]:
+            y = layer.mlp.down_proj(self.gate_up[li].act_mul(x, self.act_pairs[li]))  # activation in the GEMM
         elif self.gate_up[li] is not None:
             gu = self.gate_up[li](x)
             n = gu.shape[-1] // 2

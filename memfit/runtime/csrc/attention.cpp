@@ -115,12 +115,14 @@ struct AttnArgs {
 
 }  // namespace
 
-// One query token per sequence: out[i, h] = softmax(q[i, h] . K[slot_i, h / G, :len_i] * scale) V[...].
-// q [n, H, D] (last dim contiguous), caches [B, KV, S, D]; G = H / KV query heads share a KV head, so each
-// key and value row is loaded once for the G of them.
+// One query token per sequence: out[i, h] = softmax(q[i, h] . K[slot_i, h / G, lo_i:len_i] * scale) V[...], with
+// lo_i = max(0, len_i - window) for a sliding window (HF's rule: the query at position p sees keys p - window < j
+// <= p) and 0 without one (window 0). q [n, H, D] (last dim contiguous), caches [B, KV, S, D]; G = H / KV query
+// heads share a KV head, so each key and value row is loaded once for the G of them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale) {
+                            const at::Tensor& lens, double scale, int64_t window) {
   const AttnArgs A(q, kc, vc, scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const int64_t n = A.rows, H = A.H, D = A.D, KV = A.KV, G = A.G;
   auto sl = checked_indices(slots, n, 0, A.B, "slot");
   auto ln = checked_indices(lens, n, 1, A.S + 1, "length");
@@ -135,16 +137,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
     std::vector<float*> outs(G);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t i = w / KV, g = w % KV;
-      const float* K = A.keys(slp[i], g);
-      const float* V = A.values(slp[i], g);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, lnp[i] - window) : 0;
+      const float* K = A.keys(slp[i], g) + lo * D;
+      const float* V = A.values(slp[i], g) + lo * D;
       for (int64_t j = 0; j < G; ++j) {
         qs[j] = A.query(i, g * G + j);
         outs[j] = op + (i * H + g * G + j) * D;
       }
       if (D % 16 == 0)
-        attend_vec(qs.data(), K, V, lnp[i], G, D, A.sc, outs.data(), p, acc);
+        attend_vec(qs.data(), K, V, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
       else
-        attend_scalar(qs.data(), K, V, lnp[i], G, D, A.sc, outs.data(), p);
+        attend_scalar(qs.data(), K, V, lnp[i] - lo, G, D, A.sc, outs.data(), p);
     }
   });
   return out;
@@ -156,9 +159,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
 // D 64: ~110 us a 64-token chunk, i.e. ~20 GFLOP/s). Here every (chunk, KV head, block of kRows positions) is
 // one work item over all the step's chunks: the scores of the block's G * kRows query vectors against 32 keys at
 // a time (each chunk's keys transposed once for all its blocks, then broadcast-FMAs, no horizontal sums), an
-// exact softmax per row over its causal length, then the value rows weighted into accumulators held in
-// registers. The scores are materialized (kRows * G * end floats per thread) and the transposed keys take
-// KV * end * D floats per chunk, hence the key bound; longer contexts take aten's flash kernel.
+// exact softmax per row over its causal length (and sliding window), then the value rows weighted into
+// accumulators held in registers. The scores are materialized (kRows * G * keys floats per thread) and the
+// transposed keys take KV * keys * D floats per chunk, keys = the chunk's end (with a sliding window: its end
+// less the keys before its first row's window), hence the key bound; longer contexts take aten's flash kernel.
 namespace {
 
 constexpr int64_t kRows = 8;
@@ -217,17 +221,22 @@ void weigh_values_any(const float* const* ps, int64_t nq, const float* V, int64_
 
 }  // namespace
 
-bool prefill_attention_fits(int64_t head_dim, int64_t end) {
+bool prefill_attention_fits(int64_t head_dim, int64_t keys) {
   const int64_t nd = head_dim / 16;
-  return head_dim % 16 == 0 && (nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16) && end <= kMaxKeys;
+  return head_dim % 16 == 0 && (nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16) && keys <= kMaxKeys;
 }
 
-// out[a + r, h] = softmax(q[a + r, h] . K[slot, h / G, :start + r + 1] * scale) V[...] for each chunk
-// (a, n, slot, start) of segs and r < n; the chunk's keys and values are in the caches already (rope_store).
-// q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk are left as they are.
+// the first key a chunk starting at `start` reads: its first query's window starts there (window 0: none)
+int64_t first_key(int64_t start, int64_t window) { return window > 0 ? std::max<int64_t>(0, start - window + 1) : 0; }
+
+// out[a + r, h] = softmax(q[a + r, h] . K[slot, h / G, lo_r:start + r + 1] * scale) V[...] for each chunk
+// (a, n, slot, start) of segs and r < n, lo_r = first_key(start + r, window); the chunk's keys and values are in the
+// caches already (rope_store). q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk are
+// left as they are.
 void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
-                       const std::vector<int64_t>& segs, double scale) {
+                       const std::vector<int64_t>& segs, double scale, int64_t window) {
   const AttnArgs A(q, kc, vc, scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   check_f32_cpu(out, "out");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
   TORCH_CHECK(segs.size() % 4 == 0, "segs: (offset, length, slot, start) per chunk");
@@ -239,22 +248,24 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
     const int64_t a = segs[c], n = segs[c + 1], slot = segs[c + 2], start = segs[c + 3];
     TORCH_CHECK(a >= 0 && n > 0 && a + n <= T && slot >= 0 && slot < B && start >= 0 && start + n <= S,
                 "prefill_attention: chunk out of range");
-    TORCH_CHECK(prefill_attention_fits(D, start + n), "prefill_attention: head_dim or length not supported");
+    const int64_t keys = start + n - first_key(start, window);
+    TORCH_CHECK(prefill_attention_fits(D, keys), "prefill_attention: head_dim or length not supported");
     for (int64_t g = 0; g < KV; ++g) {
       kt_at.push_back(kt_size);
-      kt_size += (start + n + 31) / 32 * 32 * D;
+      kt_size += (keys + 31) / 32 * 32 * D;
       for (int64_t r = 0; r < n; r += kRows) items.push_back({static_cast<int64_t>(c), g, r});
     }
   }
   float* op = out.data_ptr<float>();
-  // each chunk's keys [0, end) per KV head, transposed once for all of its row blocks, in blocks of 16 keys
-  // ([end / 16][D][16], zeros past end up to a multiple of 32): transposing per work item instead cost as much as
-  // the score FMAs at long prefixes
+  // each chunk's keys [k0, end) per KV head (k0 = first_key(start)), transposed once for all of its row blocks, in
+  // blocks of 16 keys ([(end - k0) / 16][D][16], zeros past end up to a multiple of 32): transposing per work item
+  // instead cost as much as the score FMAs at long prefixes
   std::vector<float> kt(kt_size);
   at::parallel_for(0, static_cast<int64_t>(kt_at.size()), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t c = p / KV * 4, g = p % KV, L = segs[c + 3] + segs[c + 1];
-      const float* K = A.keys(segs[c + 2], g);
+      const int64_t c = p / KV * 4, g = p % KV, k0 = first_key(segs[c + 3], window);
+      const int64_t L = segs[c + 3] + segs[c + 1] - k0;
+      const float* K = A.keys(segs[c + 2], g) + k0 * D;
       float* dst = kt.data() + kt_at[p];
       for (int64_t lb = 0; lb < (L + 31) / 32 * 32; lb += 16, dst += 16 * D)
         for (int64_t i = 0; i < 16; ++i)
@@ -267,14 +278,17 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
     std::vector<float> P, zero_q(D, 0.f), sink(D);
     std::vector<const float*> qs(nq_max);
     std::vector<float*> rows(nq_max), outs(nq_max);
-    std::vector<int64_t> lens(nq_max);
+    std::vector<int64_t> from(nq_max), lens(nq_max);
     for (int64_t w = w0; w < w1; ++w) {
       const auto [c, g, r0] = items[w];
       const int64_t a = segs[c], n = segs[c + 1], slot = segs[c + 2], start = segs[c + 3];
-      const int64_t r1 = std::min(n, r0 + kRows), L = start + r1, Lpad = (L + 31) / 32 * 32;
+      // this item's keys: [k0 + lb0, k0 + L) of the chunk's transposed [k0, end), lb0 a whole 32-key block (0
+      // without a window) at or before the window of its first row
+      const int64_t k0 = first_key(start, window), r1 = std::min(n, r0 + kRows), L = start + r1 - k0;
+      const int64_t lb0 = (first_key(start + r0, window) - k0) / 32 * 32, Lpad = (L + 31) / 32 * 32 - lb0;
       const int64_t nq = (r1 - r0) * G, nq_pad = (nq + 15) / 16 * 16;
       const float* KT = kt.data() + kt_at[c / 4 * KV + g];
-      const float* V = A.values(slot, g);
+      const float* V = A.values(slot, g) + (k0 + lb0) * D;
       P.assign(nq_pad * Lpad, 0.f);
       for (int64_t j = 0; j < nq_pad; ++j) {
         const bool real = j < nq;
@@ -282,15 +296,19 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
         qs[j] = real ? A.query(a + r, h) : zero_q.data();
         outs[j] = real ? op + ((a + r) * H + h) * D : sink.data();
         rows[j] = P.data() + j * Lpad;
-        lens[j] = real ? start + r + 1 : 0;
+        // the row's keys [from[j], lens[j]) of the item's [0, Lpad): causal, and inside its window
+        from[j] = real ? first_key(start + r, window) - k0 - lb0 : 0;
+        lens[j] = real ? start + r + 1 - k0 - lb0 : 0;
       }
-      for (int64_t lb = 0; lb < L; lb += 32)  // this item's keys [0, L) are the first ones of its chunk's
-        for (int64_t j = 0; j < nq_pad; j += 8) score_block<8>(qs.data() + j, KT + lb * D, D, A.sc, rows.data() + j, lb);
-      for (int64_t j = 0; j < nq_pad; ++j) {  // causal: row r sees keys [0, start + r]; exact zeros past that
-        if (lens[j] > 0) softmax_row(rows[j], lens[j]);
+      for (int64_t lb = lb0; lb < L; lb += 32)
+        for (int64_t j = 0; j < nq_pad; j += 8)
+          score_block<8>(qs.data() + j, KT + lb * D, D, A.sc, rows.data() + j, lb - lb0);
+      for (int64_t j = 0; j < nq_pad; ++j) {  // exact zeros outside the row's keys
+        if (lens[j] > 0) softmax_row(rows[j] + from[j], lens[j] - from[j]);
+        std::fill(rows[j], rows[j] + from[j], 0.f);
         std::fill(rows[j] + lens[j], rows[j] + Lpad, 0.f);
       }
-      weigh_values_any(rows.data(), nq_pad, V, L, D, outs.data());
+      weigh_values_any(rows.data(), nq_pad, V, L - lb0, D, outs.data());
     }
   });
 }

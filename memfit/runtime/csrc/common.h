@@ -41,6 +41,24 @@ inline v16 vexp(v16 x) {
   return p * two_n;
 }
 
+// A gated MLP's activation, applied in a Linear's epilogue to (gate, up) pairs: y = act(gate) * up
+// (memfit.runtime.linear.ACTS names them for Python).
+enum Act : int64_t { kNoAct = 0, kSilu = 1, kGeluTanh = 2 };
+
+// act(g) * u for 16 lanes. GELU-tanh is 0.5 g (1 + tanh(u)) with u = sqrt(2 / pi) (g + 0.044715 g^3), computed as
+// g / (1 + exp(-2 u)): the same function (0.5 (1 + tanh(u)) = sigmoid(2 u)), without the cancellation of
+// 1 + tanh(u) where u is negative; within ~1e-7 relative of torch's gelu(approximate='tanh') where that is exact.
+template <int ACT>
+inline v16 act_mul(v16 g, v16 u) {
+  static_assert(ACT == kSilu || ACT == kGeluTanh, "act_mul: silu or gelu_tanh");
+  if constexpr (ACT == kSilu) {
+    return g / (1.f + vexp(-g)) * u;
+  } else {
+    constexpr float c = -1.5957691216057308f;  // -2 sqrt(2 / pi)
+    return g / (1.f + vexp(g * (c + (c * 0.044715f) * g * g))) * u;
+  }
+}
+
 inline void check_f32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
 }
@@ -66,23 +84,26 @@ inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, in
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
-                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions);
+                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions,
+                const c10::optional<at::Tensor>& q_norm, double q_eps, const c10::optional<at::Tensor>& k_norm,
+                double k_eps);
 
 // attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale);
-bool prefill_attention_fits(int64_t head_dim, int64_t end);
+                            const at::Tensor& lens, double scale, int64_t window);
+bool prefill_attention_fits(int64_t head_dim, int64_t keys);
+int64_t first_key(int64_t start, int64_t window);
 void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
-                       const std::vector<int64_t>& segs, double scale);
+                       const std::vector<int64_t>& segs, double scale, int64_t window);
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);
 bool has_avx512_bf16();
 double peak_gflops(bool bf16, int64_t iters);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul, const c10::optional<at::Tensor>& scale,
+                         int64_t act, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block, bool silu_mul, bool bf16_dot = false);
+                       int64_t group_size, int64_t block, int64_t act, bool bf16_dot = false);
 
 }  // namespace memfit

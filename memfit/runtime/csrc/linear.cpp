@@ -41,9 +41,9 @@ inline v16 load16(const int8_t* p) {
 }
 
 // The kernels' epilogue: y (rows m, panels j) gets acc times the int8 scale (per output), plus bias, then
-// either silu(gate) * up (SILU: the panels come in (gate, up) pairs of the same 16 outputs, 16 per pair) or
-// plus the residual (y's layout), rounded as the unfused ops.
-template <int MR, int NP, bool SILU>
+// either act(gate) * up (ACT kSilu, kGeluTanh: the panels come in (gate, up) pairs of the same 16 outputs, 16
+// per pair) or plus the residual (y's layout), rounded as the unfused ops.
+template <int MR, int NP, int ACT>
 inline void panel_store(v16 (&acc)[MR][NP], float* y, int64_t ldy, const float* bias, const float* scale,
                         const float* res) {
   if (scale)
@@ -53,11 +53,9 @@ inline void panel_store(v16 (&acc)[MR][NP], float* y, int64_t ldy, const float* 
     for (int j = 0; j < NP; ++j)
       if (bias) acc[m][j] += *reinterpret_cast<const v16u*>(bias + j * 16);
   for (int m = 0; m < MR; ++m) {
-    if constexpr (SILU) {
-      for (int j = 0; j + 1 < NP; j += 2) {
-        const v16 g = acc[m][j];
-        *reinterpret_cast<v16u*>(y + m * ldy + j * 8) = g / (1.f + vexp(-g)) * acc[m][j + 1];
-      }
+    if constexpr (ACT != kNoAct) {
+      for (int j = 0; j + 1 < NP; j += 2)
+        *reinterpret_cast<v16u*>(y + m * ldy + j * 8) = act_mul<ACT>(acc[m][j], acc[m][j + 1]);
     } else if (res) {
       for (int j = 0; j < NP; ++j)
         *reinterpret_cast<v16u*>(y + m * ldy + j * 16) = acc[m][j] + *reinterpret_cast<const v16u*>(res + m * ldy + j * 16);
@@ -68,7 +66,7 @@ inline void panel_store(v16 (&acc)[MR][NP], float* y, int64_t ldy, const float* 
 }
 
 // W = int8_t: y = (x @ Wq^T) * scale (per output) + bias.
-template <int MR, int NP, bool SILU = false, typename W = float>
+template <int MR, int NP, int ACT = kNoAct, typename W = float>
 inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_t ldy, const float* bias,
                          const float* scale, const float* res) {
   v16 acc[MR][NP];
@@ -109,13 +107,13 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
       }
     }
   }
-  panel_store<MR, NP, SILU>(acc, y, ldy, bias, scale, res);
+  panel_store<MR, NP, ACT>(acc, y, ldy, bias, scale, res);
 }
 
 #ifdef __AVX512BF16__
 // bf16 panels at many rows: x rounded to bf16 too (xb: [rows][K / 2] pairs) and each k pair of 16 outputs
 // one vdpbf16ps (products exact, sums in fp32): half the instructions of the fp32 FMA loop above
-template <int MR, int NP, bool SILU>
+template <int MR, int NP, int ACT>
 inline void panel_kernel_dp(const uint32_t* xb, int64_t K, const uint16_t* P, float* y, int64_t ldy,
                             const float* bias, const float* res) {
   const int64_t K2 = K / 2;
@@ -136,12 +134,13 @@ inline void panel_kernel_dp(const uint32_t* xb, int64_t K, const uint16_t* P, fl
   }
   v16 out[MR][NP];
   std::memcpy(out, acc, sizeof(out));
-  panel_store<MR, NP, SILU>(out, y, ldy, bias, nullptr, res);
+  panel_store<MR, NP, ACT>(out, y, ldy, bias, nullptr, res);
 }
 #endif
 
-// ldy: y's row stride (N, or N / 2 with SILU). xb: x as bf16 pairs where bf16 panels run on vdpbf16ps, else null.
-template <int NP, bool SILU = false, typename W = float>
+// ldy: y's row stride (N, or N / 2 with an ACT). xb: x as bf16 pairs where bf16 panels run on vdpbf16ps, else
+// null.
+template <int NP, int ACT = kNoAct, typename W = float>
 void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const W* P, float* y, int64_t ldy,
                 int64_t p, const float* bias, const float* scale, const float* res) {
   const W* pp = P + p * K * 16;
@@ -149,63 +148,69 @@ void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
   const float* sp = scale ? scale + p * 16 : nullptr;
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
     const float* xr = x + m0 * K;
-    float* yr = y + m0 * ldy + p * (SILU ? 8 : 16);
-    const float* rr = res ? res + m0 * ldy + p * 16 : nullptr;  // the residual has y's layout (not with SILU)
+    float* yr = y + m0 * ldy + p * (ACT != kNoAct ? 8 : 16);
+    const float* rr = res ? res + m0 * ldy + p * 16 : nullptr;  // the residual has y's layout (not with an ACT)
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<W, uint16_t>) {
       if (xb) {
         const uint32_t* xbr = xb + m0 * (K / 2);
         switch (std::min<int64_t>(8, M - m0)) {
-          case 1: panel_kernel_dp<1, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          case 2: panel_kernel_dp<2, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          case 3: panel_kernel_dp<3, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          case 4: panel_kernel_dp<4, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          case 5: panel_kernel_dp<5, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          case 6: panel_kernel_dp<6, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          case 7: panel_kernel_dp<7, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
-          default: panel_kernel_dp<8, NP, SILU>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 1: panel_kernel_dp<1, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 2: panel_kernel_dp<2, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 3: panel_kernel_dp<3, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 4: panel_kernel_dp<4, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 5: panel_kernel_dp<5, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 6: panel_kernel_dp<6, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          case 7: panel_kernel_dp<7, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
+          default: panel_kernel_dp<8, NP, ACT>(xbr, K, pp, yr, ldy, bp, rr); break;
         }
         continue;
       }
     }
 #endif
     switch (std::min<int64_t>(8, M - m0)) {
-      case 1: panel_kernel<1, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      case 2: panel_kernel<2, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      case 3: panel_kernel<3, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      case 4: panel_kernel<4, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      case 5: panel_kernel<5, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      case 6: panel_kernel<6, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      case 7: panel_kernel<7, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
-      default: panel_kernel<8, NP, SILU, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 1: panel_kernel<1, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 2: panel_kernel<2, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 3: panel_kernel<3, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 4: panel_kernel<4, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 5: panel_kernel<5, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 6: panel_kernel<6, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      case 7: panel_kernel<7, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
+      default: panel_kernel<8, NP, ACT, W>(xr, K, pp, yr, ldy, bp, sp, rr); break;
     }
   }
 }
 
+// y = act(gate) * up over (gate, up) panel pairs: whole pairs per thread and per kernel call
+template <int ACT, typename W>
+void run_panel_pairs(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const W* pp, float* yp,
+                     int64_t NPAN, const float* bp, const float* sp) {
+  const int64_t N = NPAN * 16;
+  at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
+    int64_t q = q0;
+    if (M <= 2)
+      for (; q + 2 <= q1; q += 2) panel_rows<4, ACT, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
+    for (; q < q1; ++q) panel_rows<2, ACT, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
+  });
+}
+
 template <typename W>
 void run_panels(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const W* pp, float* yp, int64_t NPAN,
-                const float* bp, const float* sp, bool silu_mul, const float* rp) {
+                const float* bp, const float* sp, int64_t act, const float* rp) {
   const int64_t N = NPAN * 16;
-  if (silu_mul) {  // whole pairs per thread and per kernel call
-    at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
-      int64_t q = q0;
-      if (M <= 2)
-        for (; q + 2 <= q1; q += 2) panel_rows<4, true, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
-      for (; q < q1; ++q) panel_rows<2, true, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
-    });
-    return;
-  }
+  if (act == kSilu) return run_panel_pairs<kSilu, W>(xp, xb, M, K, pp, yp, NPAN, bp, sp);
+  if (act == kGeluTanh) return run_panel_pairs<kGeluTanh, W>(xp, xb, M, K, pp, yp, NPAN, bp, sp);
   // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
   // 32 vector registers at 8 rows
   const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
   at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
     for (; p + np <= p1; p += np) {
-      if (np == 4) panel_rows<4, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
-      else if (np == 3) panel_rows<3, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
-      else panel_rows<2, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
+      if (np == 4) panel_rows<4, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
+      else if (np == 3) panel_rows<3, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
+      else panel_rows<2, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
     }
-    for (; p < p1; ++p) panel_rows<1, false, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
+    for (; p < p1; ++p) panel_rows<1, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
   });
 }
 
@@ -261,15 +266,18 @@ double peak_gflops(bool bf16, int64_t iters) {
          (sink[0] == 1234.5f ? 1e-9 : 0.0);  // the sums are used
 }
 
-// y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with silu_mul, W's panels are (gate, up)
-// pairs and y = silu(gate) * up has half the columns (the MLP's activation fused into its gate/up projection).
+// y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with an act (Act: kSilu, kGeluTanh), W's panels
+// are (gate, up) pairs and y = act(gate) * up has half the columns (the MLP's activation fused into its gate/up
+// projection).
 // An int8 W needs ``scale`` (one per output): W = Wq * scale. With ``residual`` (y's shape), y = residual +
 // (x @ W^T + bias) in the store, bit-equal to the separate add: the decoder layers' two residual adds, which
 // in a 256-row prefill step each re-read two [rows, hidden] tensors long out of L2 (py-spy: ~4% of the step).
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
-                         bool silu_mul, const c10::optional<at::Tensor>& scale,
+                         int64_t act, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual) {
   check_f32_cpu(x_in, "x");
+  TORCH_CHECK(act == kNoAct || act == kSilu || act == kGeluTanh, "unknown activation ", act);
+  const bool pairs = act != kNoAct;
   const bool int8 = P.scalar_type() == at::kChar, bf16 = P.scalar_type() == at::kBFloat16;
   TORCH_CHECK(P.device().is_cpu() && (int8 || bf16 || P.scalar_type() == at::kFloat),
               "packed weight must be fp32, int8 or bf16");
@@ -285,7 +293,7 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
     check_f32_cpu(b, "bias");
     TORCH_CHECK(b.numel() == N, "bias must have one entry per output");
   }
-  TORCH_CHECK(!silu_mul || NPAN % 2 == 0, "silu_mul needs (gate, up) panel pairs");
+  TORCH_CHECK(!pairs || NPAN % 2 == 0, "an activation needs (gate, up) panel pairs");
   at::Tensor sc;
   TORCH_CHECK(int8 == (scale.has_value() && scale->defined()), "an int8 weight needs a scale, an fp32 one none");
   if (int8) {
@@ -294,13 +302,13 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
     TORCH_CHECK(sc.numel() == N, "scale must have one entry per output");
   }
   auto sizes = x.sizes().vec();
-  sizes.back() = silu_mul ? N / 2 : N;
+  sizes.back() = pairs ? N / 2 : N;
   auto y = at::empty(sizes, x.options());
   at::Tensor r;
   if (residual.has_value() && residual->defined()) {
     r = residual->contiguous();
     check_f32_cpu(r, "residual");
-    TORCH_CHECK(!silu_mul && r.sizes() == y.sizes(), "residual must have the output's shape (not with silu_mul)");
+    TORCH_CHECK(!pairs && r.sizes() == y.sizes(), "residual must have the output's shape (not with an activation)");
   }
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -308,15 +316,15 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
   const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (int8) {
-    run_panels<int8_t>(xp, nullptr, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), silu_mul, rp);
+    run_panels<int8_t>(xp, nullptr, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), act, rp);
   } else if (bf16) {
     at::Tensor xb;  // x rounded to bf16 (nearest even) once per call, read as k pairs, where vdpbf16ps runs
     if (has_avx512_bf16() && M >= kDpbf16MinRows) xb = x.to(at::kBFloat16);
     const uint32_t* xbp = xb.defined() ? reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
     const auto* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
-    run_panels<uint16_t>(xp, xbp, M, K, pp, yp, NPAN, bp, nullptr, silu_mul, rp);
+    run_panels<uint16_t>(xp, xbp, M, K, pp, yp, NPAN, bp, nullptr, act, rp);
   } else {
-    run_panels<float>(xp, nullptr, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, silu_mul, rp);
+    run_panels<float>(xp, nullptr, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, act, rp);
   }
   return y;
 }
@@ -526,12 +534,14 @@ void int4_block(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
 // y = x @ W^T for x [..., K] fp32 and W in torch's CPU int4 pack with B-row blocks (B = 32 or 64).
 // bf16_dot: from 8 rows on, on AVX512-BF16, x and the dequantized weights are rounded to bf16 and multiplied
 // with vdpbf16ps (twice the FLOPS of the exact fp32 path; the engine's bf16 mode asks for it).
-// silu_mul: W is [gate; up] (N rows, the halves each a multiple of B) and y [..., N / 2] gets silu(gate) * up,
-// each thread computing a gate block and its up block and combining them while they are in L1 (as the panel
-// kernel's epilogue; replaced at::silu, narrow and mul_ after the call)
+// act (kSilu, kGeluTanh): W is [gate; up] (N rows, the halves each a multiple of B) and y [..., N / 2] gets
+// act(gate) * up, each thread computing a gate block and its up block and combining them while they are in L1
+// (as the panel kernel's epilogue; replaced at::silu, narrow and mul_ after the call)
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
-                       int64_t group_size, int64_t block, bool silu_mul, bool bf16_dot) {
+                       int64_t group_size, int64_t block, int64_t act, bool bf16_dot) {
   check_f32_cpu(x_in, "x");
+  TORCH_CHECK(act == kNoAct || act == kSilu || act == kGeluTanh, "unknown activation ", act);
+  const bool pairs = act != kNoAct;  // gate/up pairs
   TORCH_CHECK(block == 32 || block == 64, "block must be 32 or 64");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed must be torch's contiguous uint8 int4 pack [N, K / 2]");
@@ -541,14 +551,14 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   TORCH_CHECK(N % block == 0 && group_size > 0 && K % group_size == 0 && scale_zeros.size(0) == K / group_size &&
               scale_zeros.size(1) == N && scale_zeros.size(2) == 2, "int4 pack shapes mismatch");
   TORCH_CHECK(x_in.size(-1) == K, "x's last size ", x_in.size(-1), " != the weight's ", K);
-  TORCH_CHECK(!silu_mul || (N / 2) % block == 0, "silu_mul: each half of the weight must be a multiple of the block");
+  TORCH_CHECK(!pairs || (N / 2) % block == 0, "act_mul: each half of the weight must be a multiple of the block");
   auto x = x_in.contiguous();
   const int64_t M = x.numel() / K;
   auto sizes = x.sizes().vec();
-  sizes.back() = silu_mul ? N / 2 : N;
+  sizes.back() = pairs ? N / 2 : N;
   auto out = at::empty(sizes, x.options());
   if (M == 0) return out;
-  auto y = silu_mul ? at::empty({M, N}, x.options()) : out;
+  auto y = pairs ? at::empty({M, N}, x.options()) : out;
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(scale_zeros.data_ptr<at::BFloat16>());
@@ -558,7 +568,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   at::Tensor xbt;  // x rounded to bf16 once per call where the dequantized tiles run on vdpbf16ps (bf16_dot)
   if (bf16_dot && has_avx512_bf16() && M >= kDpbf16MinRows && group_size % 2 == 0) xbt = x.to(at::kBFloat16);
   const uint32_t* xb = xbt.defined() ? reinterpret_cast<const uint32_t*>(xbt.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(0, silu_mul ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, pairs ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(group_size * block + 16);
     float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     auto run = [&](int64_t b) {
@@ -568,13 +578,14 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
     };
     for (int64_t b = b0; b < b1; ++b) {
       run(b);
-      if (!silu_mul) continue;
+      if (!pairs) continue;
       run(b + nb / 2);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t c = b * block; c < (b + 1) * block; c += 16) {
           const v16 g = *reinterpret_cast<const v16u*>(yp + m * N + c);
           const v16 u = *reinterpret_cast<const v16u*>(yp + m * N + half + c);
-          *reinterpret_cast<v16u*>(op + m * half + c) = g / (1.f + vexp(-g)) * u;
+          *reinterpret_cast<v16u*>(op + m * half + c) =
+              act == kSilu ? act_mul<kSilu>(g, u) : act_mul<kGeluTanh>(g, u);
         }
     }
   });

@@ -3,11 +3,20 @@
 
 #include <torch/extension.h>
 
+#include <array>
 #include <vector>
 
 namespace memfit {
 
-enum LinearKind : int64_t { kPanel = 0, kPanelSiluPairs = 1, kInt4 = 2, kInt4GateUp = 3 };
+// the gate/up kinds compute act(gate) * up in their epilogue (silu, or gelu_tanh for the *Gelu ones)
+enum LinearKind : int64_t {
+  kPanel = 0,
+  kPanelSiluPairs = 1,
+  kInt4 = 2,
+  kInt4GateUp = 3,
+  kPanelGeluPairs = 4,
+  kInt4GateUpGelu = 5
+};
 
 // one projection: panel (a = packed fp32 or int8, b = bias, c = int8's per-output scale) or int4 (a = packed,
 // b = scale_zeros, c = bias); undefined tensors for what a projection does not have
@@ -18,22 +27,42 @@ struct LinearSpec {
   bool bf16_dot;  // int4: x and weights rounded to bf16 for vdpbf16ps at prefill sizes (int4_linear)
 };
 
+// a layer's RMSNorms, by slot: the input norm; after attention (Llama: the MLP's input norm; Gemma: the norm of
+// the attention output, and then kPreFfw / kPostFfw around the MLP: "sandwich" norms); per-head q and k norms
+// (qwen3, Gemma 3). An undefined weight: the layer has no such norm.
+enum NormSlot { kNormIn = 0, kNormPost = 1, kNormPreFfw = 2, kNormPostFfw = 3, kNormQ = 4, kNormK = 5, kNorms = 6 };
+
+struct Norm {
+  at::Tensor w;  // the weight as the norm multiplies by it (Gemma's 1 + w folded in)
+  double eps;
+};
+
+struct LayerSpec {
+  std::array<Norm, kNorms> norms;
+  int64_t rope;    // which of forward's (cos, sin) tables the layer's RoPE uses
+  int64_t window;  // sliding window (0: none): a query at position p sees keys p - window < j <= p
+};
+
 class LayerStack {
  public:
-  LayerStack(std::vector<at::Tensor> norm_in, std::vector<at::Tensor> norm_post, double eps,
-             std::vector<int64_t> kinds, std::vector<at::Tensor> a, std::vector<at::Tensor> b,
-             std::vector<at::Tensor> c, std::vector<int64_t> groups, std::vector<int64_t> blocks,
-             std::vector<at::Tensor> k_cache, std::vector<at::Tensor> v_cache, int64_t heads, int64_t kv_heads,
-             int64_t head_dim, double scale, bool bf16_dot);
-  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                     const at::Tensor& positions, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
-                     const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill,
-                     const at::Tensor& keep);
+  // per layer: 6 norms (NormSlot order; empty tensors where absent) and their eps, 4 linears (qkv, o, gate_up,
+  // down), the caches, the RoPE table index and the sliding window
+  LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<int64_t> kinds,
+             std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> c,
+             std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
+             std::vector<at::Tensor> v_cache, std::vector<int64_t> ropes, std::vector<int64_t> windows,
+             int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot);
+  at::Tensor forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                     const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
+                     const at::Tensor& dec_slots, const at::Tensor& dec_len, bool all_dec,
+                     const std::vector<int64_t>& prefill, const at::Tensor& keep);
 
  private:
-  std::vector<at::Tensor> norm_in_, norm_post_;
-  double eps_;
-  std::vector<LinearSpec> linears_;  // 4 per layer: qkv, o, gate_up (or its silu pairs), down
+  at::Tensor attend(const at::Tensor& q, size_t li, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
+                    const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill) const;
+
+  std::vector<LayerSpec> layers_;
+  std::vector<LinearSpec> linears_;  // 4 per layer: qkv, o, gate_up (act(gate) * up pairs), down
   std::vector<at::Tensor> kc_, vc_;
   int64_t H_, KV_, D_;
   double scale_;

@@ -157,7 +157,7 @@ def test_int8_dynamic_quantized_linears_run_on_the_int8_panel_kernel() -> None:
     sm = SlotModel(model, 1, 32, dense_kernel="on", cpu_kernels="on")
     layer = model.model.layers[0]
     assert type(layer.self_attn.o_proj) is PanelLinear and layer.self_attn.o_proj.scale is not None
-    assert sm.stack is not None and sm.silu_pairs == [True, True]
+    assert sm.stack is not None and sm.act_pairs == ["silu", "silu"]
     torch.testing.assert_close(sm.forward(ids, [Segment(0, 0, 20)])[0], want[-1], atol=1e-4, rtol=1e-4)
     stack, sm.stack = sm.stack, None  # the Python loop over the same modules
     torch.testing.assert_close(sm.forward(ids[:5], [Segment(0, 0, 5)])[0], want[4], atol=1e-4, rtol=1e-4)

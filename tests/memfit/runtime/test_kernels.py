@@ -48,6 +48,28 @@ def test_rope_store_matches_torch(ops):
     assert kc.abs().sum(-1).count_nonzero() == T * KV  # nothing else written
 
 
+def test_rope_store_with_qk_norms_norms_each_head_first(ops):
+    # qwen3 / Gemma 3: an RMSNorm per query and key head (their own weights and eps) before RoPE; v untouched
+    torch.manual_seed(7)
+    T, H, KV, D, B, S = 6, 4, 2, 32, 2, 16
+    heads = torch.randn(T, H + 2 * KV, D) * 3
+    cos, sin = torch.randn(T, 1, D), torch.randn(T, 1, D)
+    slots, pos = torch.tensor([0, 1, 1, 0, 1, 0]), torch.tensor([0, 3, 4, 15, 7, 2])
+    qw, kw = torch.randn(D), torch.randn(D)
+    q = F.rms_norm(heads[:, :H], (D,), qw, 1e-6)
+    k = F.rms_norm(heads[:, H:H + KV], (D,), kw, 1e-2)
+    qk = torch.cat((q, k), dim=1)
+    want = qk * cos + _rotate_half(qk) * sin
+    v = heads[:, H + KV:].clone()
+    kc, vc = torch.zeros(B, KV, S, D), torch.zeros(B, KV, S, D)
+    ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, pos, qw, 1e-6, kw, 1e-2)
+    torch.testing.assert_close(heads[:, :H + KV], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kc[slots, :, pos], want[:, H:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(vc[slots, :, pos], v) and torch.equal(heads[:, H + KV:], v)
+    with pytest.raises(RuntimeError, match="q_norm"):
+        ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, pos, torch.randn(D + 1), 1e-6)
+
+
 @pytest.mark.parametrize("H,KV,D", [(4, 4, 32), (8, 4, 32), (8, 2, 64), (6, 1, 32), (4, 2, 24)])
 def test_decode_attention_matches_sdpa(ops, H, KV, D):
     # D = 24: the scalar path (head dims that are not a multiple of 16); lengths 1, 40 and 17 leave tails
@@ -64,21 +86,48 @@ def test_decode_attention_matches_sdpa(ops, H, KV, D):
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("H,KV,D", [(8, 4, 64), (4, 4, 16), (6, 2, 32), (4, 1, 128)])
-def test_prefill_attention_matches_sdpa(ops, H, KV, D):
-    # three chunks in one call: a first chunk (start 0), a later one over a cached prefix, and one of 1 row; row
-    # counts that are not multiples of the kernel's 8-row blocks; keys ending short of a 32-key block
-    torch.manual_seed(3)
-    B, S = 3, 80
+def _window_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """HF's sliding-window rule: the query at position i sees keys i - window < j <= i (window 0: causal only)."""
+    j, i = torch.arange(n_keys)[None, :], q_pos[:, None]
+    return (j <= i) & ((j > i - window) if window else True)
+
+
+@pytest.mark.parametrize("window", [3, 16, 39])
+@pytest.mark.parametrize("D", [32, 24])
+def test_decode_attention_within_a_window_matches_masked_sdpa(ops, window, D):
+    torch.manual_seed(6)
+    H, KV, B, S = 4, 2, 4, 50
     kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
-    chunks = [(0, 13, 2, 0), (13, 21, 0, 37), (34, 1, 1, 70)]  # (offset, length, slot, start)
-    T = 35
+    q = torch.randn(4, H, D)
+    slots, lens = torch.tensor([3, 0, 2, 1]), torch.tensor([1, 50, 17, window])
+    out = ops.decode_attention(q, kc, vc, slots, lens, 0.3, window)
+    for i in range(4):
+        s, n = int(slots[i]), int(lens[i])
+        mask = _window_mask(torch.tensor([n - 1]), n, window)
+        ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
+                                             attn_mask=mask, scale=0.3, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ops.decode_attention(q, kc, vc, slots, lens, 0.3, 0), ops.decode_attention(q, kc, vc, slots,
+                                                                                                   lens, 0.3))
+
+
+@pytest.mark.parametrize("window", [0, 5, 40])
+@pytest.mark.parametrize("H,KV,D", [(8, 4, 64), (4, 4, 16), (6, 2, 32), (4, 1, 128)])
+def test_prefill_attention_matches_sdpa(ops, H, KV, D, window):
+    # four chunks in one call: a first chunk (start 0), a later one over a cached prefix, one of 1 row, and a long
+    # one whose later row blocks' windows start past the first 32-key blocks; row counts that are not multiples
+    # of the kernel's 8-row blocks; keys ending short of a 32-key block
+    torch.manual_seed(3)
+    B, S = 4, 80
+    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    chunks = [(0, 13, 2, 0), (13, 21, 0, 37), (34, 1, 1, 70), (35, 75, 3, 0)]  # (offset, length, slot, start)
+    T = 110
     q = torch.randn(T, H + 2 * KV, D)[:, :H]  # a strided view, as the fused qkv output gives it
     out = torch.full((T + 1, H, D), 7.0)[:T]
-    ops.prefill_attention(q, kc, vc, out, [x for c in chunks for x in c], D ** -0.5)
+    ops.prefill_attention(q, kc, vc, out, [x for c in chunks for x in c], D ** -0.5, window)
     for a, n, slot, start in chunks:
         end = start + n
-        mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
+        mask = _window_mask(torch.arange(start, end), end, window)
         ref = F.scaled_dot_product_attention(q[a:a + n].transpose(0, 1)[None], kc[slot:slot + 1, :, :end],
                                              vc[slot:slot + 1, :, :end], attn_mask=mask, scale=D ** -0.5,
                                              enable_gqa=True)[0].transpose(0, 1)
@@ -86,7 +135,7 @@ def test_prefill_attention_matches_sdpa(ops, H, KV, D):
     assert ops.prefill_attention_fits(64, 1024) and not ops.prefill_attention_fits(64, 1025)
     assert not ops.prefill_attention_fits(24, 10) and not ops.prefill_attention_fits(96, 10)  # aten's flash then
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.prefill_attention(q, kc, vc, out, [30, 10, 0, 0], 1.0)  # rows past T
+        ops.prefill_attention(q, kc, vc, out, [T - 5, 10, 0, 0], 1.0)  # rows past T
     k24 = torch.zeros(1, 1, 8, 24)
     with pytest.raises(RuntimeError, match="not supported"):
         ops.prefill_attention(torch.zeros(5, 1, 24), k24, k24, torch.zeros(5, 1, 24), [0, 5, 0, 0], 1.0)
@@ -165,7 +214,11 @@ def test_int4_linear_refuses_bad_shapes(ops):
         ops.int4_linear(torch.zeros(2, 128), packed, sz, 128, 16)
 
 
-def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
+def _act(name: str, g: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) if name == "silu" else F.gelu(g, approximate="tanh")
+
+
+def test_int4_linear_act_mul_equals_the_activation_of_the_plain_call(ops):
     from compress.quant import QuantArgs
     from compress.rtn import rtn
     from memfit.runtime.qlinear import quant_linear
@@ -179,15 +232,19 @@ def test_int4_linear_silu_mul_equals_silu_of_the_plain_call(ops):
     for rows in (1, 3, 4, 5, 16):
         x = torch.randn(rows, k)
         gu = ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block)
-        want = F.silu(gu[:, :n]) * gu[:, n:]
-        torch.testing.assert_close(ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, True), want,
-                                   atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="silu_mul"):  # halves that are not whole blocks
+        for act, name in ((True, "silu"), (1, "silu"), (2, "gelu_tanh")):  # True: what callers passed before
+            want = _act(name, gu[:, :n]) * gu[:, n:]
+            torch.testing.assert_close(ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, act), want,
+                                       atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="unknown activation"):
+        ops.int4_linear(x, ql.packed, ql.scale_zeros, 128, block, 3)
+    with pytest.raises(RuntimeError, match="act_mul"):  # halves that are not whole blocks
         odd = quant_linear(rtn(torch.randn(3 * block, k), QuantArgs(4, 128, False)), None)
         ops.int4_linear(x, odd.packed, odd.scale_zeros, 128, block, True)
 
 
-def test_linear_panels_silu_mul_matches_torch(ops):
+@pytest.mark.parametrize("act,name", [(1, "silu"), (2, "gelu_tanh")])
+def test_linear_panels_act_mul_matches_torch(ops, act, name):
     torch.manual_seed(4)
     n, k = 48, 40
     g, u, bg, bu = torch.randn(n, k) * 0.3, torch.randn(n, k) * 0.3, torch.randn(n), torch.randn(n)
@@ -196,15 +253,22 @@ def test_linear_panels_silu_mul_matches_torch(ops):
     packed = ops.pack_panels(pairs)
     for rows in (1, 2, 3, 8, 12, 13, 16, 25):  # the 4-pair (<= 2 rows) and 8-row passes and their tails
         x = torch.randn(rows, k) * 3
-        want = F.silu(F.linear(x, g, bg)) * F.linear(x, u, bu)
-        torch.testing.assert_close(ops.linear_panels(x, packed, b, True), want, atol=1e-4, rtol=1e-4)
+        want = _act(name, F.linear(x, g, bg)) * F.linear(x, u, bu)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b, act), want, atol=1e-4, rtol=1e-4)
     # the epilogue's exp over the whole float range: gate = x itself, up = 1
     ident = torch.cat([torch.eye(16), torch.zeros(16, 16)])
     x = torch.cat([torch.linspace(-120, 120, 3996), torch.tensor([0.0, -87.4, 88.4, 1e-30])]).view(-1, 16)
-    got = ops.linear_panels(x, ops.pack_panels(ident), torch.cat([torch.zeros(16), torch.ones(16)]), True)
-    torch.testing.assert_close(got, F.silu(x), atol=1e-6, rtol=2e-6)
+    got = ops.linear_panels(x, ops.pack_panels(ident), torch.cat([torch.zeros(16), torch.ones(16)]), act)
+    torch.testing.assert_close(got, _act(name, x), atol=1e-6, rtol=2e-6)
+    if name == "gelu_tanh":
+        # against the exact tanh form in fp64: torch's own fp32 gelu loses ~2e-5 relative to 1 + tanh(u)'s
+        # cancellation at negative x, the epilogue's x * sigmoid(2 u) form stays within ~6e-7
+        xd = x.double()
+        exact = 0.5 * xd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd ** 3)))
+        big = exact.abs() > 1e-3
+        assert ((got.double() - exact).abs()[big] / exact.abs()[big]).max() < 2e-6
     with pytest.raises(RuntimeError, match="pairs"):
-        ops.linear_panels(torch.randn(1, 8), ops.pack_panels(torch.randn(16, 8)), None, True)
+        ops.linear_panels(torch.randn(1, 8), ops.pack_panels(torch.randn(16, 8)), None, act)
 
 
 def test_linear_panels_int8_weights(ops):

@@ -39,8 +39,8 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     # packing replaces the modules: reference first
     sm = SlotModel(model, 2, 64, dense_kernel=dense, cpu_kernels=kernels)
     assert (sm.ops is not None) == (kernels == "on")
-    # the C++ layer loop takes over where every layer is on the kernels (not qwen3's q/k norms, dynamic RoPE)
-    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and kind in ("default", "llama3"))
+    # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms too; not dynamic RoPE)
+    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and kind != "dynamic")
     assert sm.rope.static == (kind != "dynamic")
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
     check_steps(sm, {0: a, 1: b}, {0: ref_a, 1: ref_b},

@@ -1,0 +1,109 @@
+"""The C++ layer loop (fast_stack, csrc/stack.cpp) on Gemma 3 and qwen3: q/k norms, sandwich norms with an eps
+each, a RoPE base per layer type, sliding windows, GELU-tanh gate/up pairs; fp32 panel and int4 weights. Its
+logits against the Python loop's (1e-5) and HF's (1e-4) over prefill chunks, mixed steps and decodes past the
+window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+from memfit.runtime.linear import INT4_GATE_UP_GELU, PANEL_GELU_PAIRS
+from memfit.runtime.slot_model import Segment, SlotModel
+
+WINDOW = 8
+_COMMON = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=128, initializer_range=0.2)
+# prefill chunks starting inside and past the window (one of them with no logits wanted), a mixed step (a decode
+# and a chunk), decodes of different lengths past the window
+STEPS = [[(0, 0, 5, False), (1, 0, 12, True)], [(0, 5, 33, True)], [(0, 38, 1, True), (1, 12, 12, True)],
+         [(1, 24, 1, True), (0, 39, 1, True)], [(1, 25, 1, True), (0, 40, 1, True)]]
+
+
+def _model(kind: str, head_dim: int = 32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=head_dim)).eval()
+    cfg = Gemma3TextConfig(**_COMMON, num_hidden_layers=4, head_dim=head_dim, sliding_window=WINDOW,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                           query_pre_attn_scalar=head_dim, rope_parameters={
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():  # HF initializes Gemma's (1 + w) norm weights at 0: make them matter
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    for i, layer in enumerate(model.model.layers):  # an eps per norm, not one for the model
+        layer.post_feedforward_layernorm.eps = 10.0 ** -(2 + i)
+        layer.self_attn.k_norm.eps = 1e-3
+    return model.eval()
+
+
+def _int4(model: torch.nn.Module) -> None:
+    from compress.quant import QuantArgs
+    from compress.rtn import rtn
+    from memfit.runtime.qlinear import quant_linear
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, quant_linear(rtn(child.weight.detach(), QuantArgs(4, 64, False)), None))
+
+
+def _run(sm: SlotModel, seqs: dict) -> list[torch.Tensor]:
+    outs = []
+    for step in STEPS:
+        ids = torch.cat([seqs[s][st:st + n] for s, st, n, _ in step])
+        outs.append(sm.forward(ids, [Segment(s, st, n, w) for s, st, n, w in step]))
+    return outs
+
+
+@pytest.mark.parametrize("kind,weights,head_dim", [("gemma3", "fp32", 32), ("gemma3", "int4", 32),
+                                                   ("gemma3", "fp32", 24), ("qwen3", "fp32", 32),
+                                                   ("qwen3", "int4", 32)])
+def test_stack_equals_the_python_loop_and_hf(kind: str, weights: str, head_dim: int) -> None:
+    # head_dim 24: attention past prefill_attention's head dims (the stack's aten branch, windowed and not)
+    model = _model(kind, head_dim)
+    if weights == "int4":
+        _int4(model)
+    seqs = {0: torch.randint(3, 300, (41,)), 1: torch.randint(3, 300, (26,))}
+    sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on")
+    assert sm.stack is not None
+    if kind == "gemma3":
+        assert sm.sandwich == [True] * 4 and sm.act_pairs == ["gelu_tanh"] * 4
+        assert sm.windows == [WINDOW, None, WINDOW, None]
+        assert sm.rope.layer_kinds == ["sliding_attention", "full_attention"] * 2
+        want_kind = INT4_GATE_UP_GELU if weights == "int4" else PANEL_GELU_PAIRS
+        assert sm.gate_up[0].stack_spec(True, "gelu_tanh").kind == want_kind
+    else:
+        assert sm.act_pairs == ["silu"] * 2 and sm.rope.kinds == [None]
+    stack, outs = sm.stack, {}
+    for loop in ("cpp", "python"):
+        sm.stack = stack if loop == "cpp" else None
+        outs[loop] = _run(sm, seqs)
+    sm.stack = stack
+    for c, p in zip(outs["cpp"], outs["python"], strict=True):
+        torch.testing.assert_close(c, p, atol=1e-5, rtol=1e-5)
+    # HF's forward over the same modules (packed or int4 on memfit's kernels: the weights SlotModel reads)
+    with torch.no_grad():
+        refs = {s: model(x[None]).logits[0] for s, x in seqs.items()}
+    wanted = [(s, st + n - 1) for step in STEPS for s, st, n, w in step if w]
+    got = [row for out in outs["cpp"] for row in out]
+    assert len(got) == len(wanted)
+    for row, (s, pos) in zip(got, wanted, strict=True):
+        torch.testing.assert_close(row, refs[s][pos], atol=1e-4, rtol=1e-4)
+
+
+def test_stack_refuses_what_it_cannot_run() -> None:
+    model = _model("gemma3")
+    assert SlotModel(model, 2, 64, dense_kernel="off", cpu_kernels="on").stack is None  # nn.Linear projections
+    model = _model("gemma3")
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()  # exact (erf) GELU: no epilogue for it
+    sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on")
+    assert sm.act_pairs[1] is None and sm.stack is None
+    model = _model("gemma3")
+    sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on", cache_dtype=torch.bfloat16)
+    assert sm.stack is None
