@@ -19,9 +19,10 @@ from typing import Any
 from memfit.errors import UserError
 
 INDEX = "model.safetensors.index.json"
-# what travels with the weights when a stage writes a new model dir
+# what travels with the weights when a stage writes a new model dir: the tokenizer and generation config, and
+# the licence and terms a derived model must carry (Gemma's terms, a NOTICE, a use policy)
 SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "generation_config.json", "*.jinja", "vocab.*",
-              "merges.txt", "added_tokens.json")
+              "merges.txt", "added_tokens.json", "LICENSE*", "NOTICE*", "*TERMS*", "USE_POLICY*")
 _PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth")
 
 
