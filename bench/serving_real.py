@@ -38,7 +38,9 @@ CLASSES = {"16/32-bit": ("fp32", "bf16", "f32", "f16"), "8-bit": ("int8", "q8_0"
 
 async def _request(client, server: Server, prompt: str, new_tokens: int) -> dict:
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}}
+    if getattr(server, "ignore_eos", True):  # transformers serve refuses the field (HTTP 422)
+        body["ignore_eos"] = True
     t0, first, last, usage, chunks = time.perf_counter(), None, None, None, 0
     async with client.stream("POST", server.url + "/v1/completions", json=body, timeout=900) as r:
         if r.status_code != 200:
@@ -85,6 +87,7 @@ def run_server(name: str, argv: list[str], env: dict, model: str, levels: list[i
                new_tokens: int, memfit: bool) -> dict:
     s = Server(name, argv, _free_port(), model, env=env)
     s.cmd = [str(s.port) if a == "{port}" else a for a in argv]
+    s.ignore_eos = not name.startswith("transformers")
     print(f"== {name}", flush=True)
     t = time.time()
     try:
