@@ -61,7 +61,10 @@ async def _request(client, server: Server, prompt: str, new_tokens: int) -> dict
 async def _level(server: Server, prompts: list[str], c: int, new_tokens: int) -> dict:
     import httpx
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=c + 4), timeout=900) as client:
+    # no keep-alive: llama-server closed idle kept-alive connections between levels ("Server disconnected
+    # without sending a response" on the next request); a new localhost connection per request costs ~0.1 ms
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits, timeout=900) as client:
         queue, res = list(prompts), []
 
         async def worker() -> None:

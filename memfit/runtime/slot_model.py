@@ -71,9 +71,9 @@ def _float_rest(model: torch.nn.Module) -> None:
     """After the Linears are packed in bf16: every other bf16 tensor (norms, RoPE buffers, a tied lm_head that
     could not be packed) to fp32, the dtype the activations keep; an untied input embedding stays bf16 (its
     looked-up rows are widened: ``_forward``). Tensors shared by several modules stay shared."""
-    def skip(m: torch.nn.Module) -> bool:
-        fmt = weight_format(m)
-        return fmt is not None and fmt.startswith("panel")  # a packed weight (bf16 by choice), its fp32 bias
+    def skip(m: torch.nn.Module) -> bool:  # a packed or quantized format keeps its own dtypes (bf16 panels by
+        fmt = weight_format(m)  # choice, an int4 pack's bf16 scales); a plain nn.Linear ("fp") is widened
+        return fmt is not None and fmt != "fp"
 
     used = {t.data_ptr() for m in model.modules() if not skip(m) and not isinstance(m, torch.nn.Embedding)
             for t in m.parameters(recurse=False)}

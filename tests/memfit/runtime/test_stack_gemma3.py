@@ -107,3 +107,25 @@ def test_stack_refuses_what_it_cannot_run() -> None:
     model = _model("gemma3")
     sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on", cache_dtype=torch.bfloat16)
     assert sm.stack is None
+
+
+def test_bf16_weights_on_an_int4_model() -> None:
+    """The engine's bf16 mode on a 4-bit model (serve --dtype auto on AVX512-BF16 CPUs): the int4 packs keep their
+    bf16 scales, the int4 prefill rows run on vdpbf16ps, the stack runs, equal to the Python loop; close to fp32
+    mode."""
+    model, ref_model = _model("gemma3"), _model("gemma3")
+    _int4(model)
+    _int4(ref_model)
+    seqs = {0: torch.randint(3, 300, (41,)), 1: torch.randint(3, 300, (26,))}
+    ref = _run(SlotModel(ref_model, 2, 64, dense_kernel="on", cpu_kernels="on"), seqs)
+    sm = SlotModel(model, 2, 64, dense_kernel="on", cpu_kernels="on", bf16_weights=True)
+    assert sm.stack is not None and sm.bf16_dot and sm.gate_up[0].bf16_dot
+    assert sm.gate_up[0].scale_zeros.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.float32  # a tied table of 300 rows: no 16-row panels, stays fp32
+    stack, outs = sm.stack, {}
+    for loop in ("cpp", "python"):
+        sm.stack = stack if loop == "cpp" else None
+        outs[loop] = _run(sm, seqs)
+    for c, p, r in zip(outs["cpp"], outs["python"], ref, strict=True):
+        torch.testing.assert_close(c, p, atol=1e-5, rtol=1e-5)
+        assert (c - r).abs().max() < 0.02 * r.abs().max()  # bf16 rounding, not a different model
