@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
     data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": str(model_dir),
             "host": f"{os.cpu_count()} cores ({host_isa()})", "command": "python bench/serving.py --real "
-            + " ".join(argv or sys.argv[1:]), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            + " ".join(sys.argv[1:] if argv is None else argv), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "rounds": a.rounds, "max_seqs": max_seqs, "ctx": ctx, "read_gbs": bw, "servers": rows,
             "targets": targets(rows, bw)}
     report(data)
