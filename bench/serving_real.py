@@ -354,9 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         if wb and c1:  # tokens/s at c1 x bytes per token, against the read bandwidth
             r["weight_bytes"], r["bw_frac"] = wb, c1["tok_s"] * wb / (bw * 1e9)
         rows.append(r)
+    command = "python bench/serving.py --real " + " ".join(sys.argv[1:] if argv is None else argv)
     data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": str(model_dir),
-            "host": f"{os.cpu_count()} cores ({host_isa()})", "command": "python bench/serving.py --real "
-            + " ".join(sys.argv[1:] if argv is None else argv), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+            "host": f"{os.cpu_count()} cores ({host_isa()})", "command": command.strip(),
+            "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "rounds": a.rounds, "max_seqs": max_seqs, "ctx": ctx, "read_gbs": bw, "servers": rows,
             "targets": targets(rows, bw)}
     report(data)
