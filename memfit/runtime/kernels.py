@@ -43,7 +43,8 @@ from memfit.errors import UserError
 
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "stack.cpp")
+SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "int4.cpp",
+           CSRC / "stack.cpp")
 
 
 def extension_name() -> str:

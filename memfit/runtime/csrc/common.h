@@ -81,6 +81,9 @@ inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, in
   return r;
 }
 
+// rows from which bf16 panels and int4's bf16_dot tiles take vdpbf16ps (x rounded to bf16) instead of fp32 FMAs
+constexpr int64_t kDpbf16MinRows = 8;
+
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,

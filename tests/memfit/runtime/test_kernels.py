@@ -293,7 +293,7 @@ def test_linear_panels_bf16_weights(ops, n, k):
     packed = ops.pack_panels(wb)
     assert packed.shape == (n // 16, k // 2, 32) and packed.dtype == torch.bfloat16
     dp = ops.has_avx512_bf16()
-    for rows in (0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 64):
+    for rows in (0, 1, 2, 3, 5, 7, 8, 9, 12, 13, 16, 17, 28, 64):  # the 8-, 12- and 16-row passes and their tails
         x = torch.randn(rows, k)
         xr = x.bfloat16().float() if dp and rows >= 8 else x
         r = torch.randn(rows, n)
@@ -302,11 +302,13 @@ def test_linear_panels_bf16_weights(ops, n, k):
         torch.testing.assert_close(ops.linear_panels(x, packed, b, residual=r), F.linear(xr, wb.float(), b) + r,
                                    atol=1e-5 * k, rtol=1e-4)
     pairs = ops.pack_panels(torch.cat([wb[:16], wb[16:32]]) if n >= 32 else torch.cat([wb, wb]))
-    x = torch.randn(12, k)
-    xr = x.bfloat16().float() if dp else x
     g, u = (wb[:16], wb[16:32]) if n >= 32 else (wb, wb)
-    torch.testing.assert_close(ops.linear_panels(x, pairs, None, True),
-                               F.silu(F.linear(xr, g.float())) * F.linear(xr, u.float()), atol=1e-4 * k, rtol=1e-3)
+    for rows in (12, 20, 33):
+        x = torch.randn(rows, k)
+        xr = x.bfloat16().float() if dp else x
+        torch.testing.assert_close(ops.linear_panels(x, pairs, None, True),
+                                   F.silu(F.linear(xr, g.float())) * F.linear(xr, u.float()), atol=1e-4 * k,
+                                   rtol=1e-3)
     with pytest.raises(RuntimeError, match="even K"):
         ops.pack_panels(torch.randn(16, 7).bfloat16())
 
