@@ -19,7 +19,6 @@ Writes bench/results/bf16.md and .json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -32,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.embeddings import decode_ms, quality  # noqa: E402
+from bench.embeddings import decode_ms, quality, real_model_args  # noqa: E402
 from compress import calib  # noqa: E402
 from compress.evaluate import host_isa  # noqa: E402
 from memfit.hf import load_pretrained, load_tokenizer  # noqa: E402
@@ -90,14 +89,8 @@ def gemm(ops, shp: dict[str, tuple[int, int]], rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / ".cache" / "models" / "gemma3-270m"))
-    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens for the quality numbers")
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
-    a = ap.parse_args(argv)
-    if not (Path(a.model) / "config.json").is_file():
-        print(f"bench/bf16.py: error: no model at {a.model} (run `make real-model`)", file=sys.stderr)
+    a = real_model_args(argv, __doc__, "bench/bf16.py", 5)
+    if a is None:
         return 2
     ops = kernels.load("on")
     if not ops.has_avx512_bf16():

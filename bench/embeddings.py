@@ -71,15 +71,24 @@ def decode_ms(sm: SlotModel, batch: int, steps: int = 8, prompt: int = 32) -> fl
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def real_model_args(argv: list[str] | None, doc: str, prog: str, rounds: int) -> argparse.Namespace | None:
+    """The options of the real-model benchmarks (model, held-out tokens, window, rounds); None, with the error
+    printed, where the model is missing."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / ".cache" / "models" / "gemma3-270m"))
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens for the quality numbers")
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
     a = ap.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
-        print(f"bench/embeddings.py: error: no model at {a.model} (run `make real-model`)", file=sys.stderr)
+        print(f"{prog}: error: no model at {a.model} (run `make real-model`)", file=sys.stderr)
+        return None
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = real_model_args(argv, __doc__, "bench/embeddings.py", 3)
+    if a is None:
         return 2
     torch.manual_seed(0)
     tok = load_tokenizer(a.model)

@@ -140,9 +140,10 @@ class Server:
                 self.proc.wait()
 
 
-async def one_request(client, server: Server, prompt: str, new_tokens: int) -> dict:
+async def one_request(client, server: Server, prompt: str, new_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed greedy completion; ``extra``: more body fields (serving_real.py: ``ignore_eos``)."""
     body = {"model": server.model_name, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     first = last = None
     usage = None

@@ -30,32 +30,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import peers  # noqa: E402
-from bench.serving import Server, _free_port, pct  # noqa: E402
+from bench.serving import Server, _free_port, one_request, pct  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 CLASSES = {"16/32-bit": ("fp32", "bf16", "f32", "f16"), "8-bit": ("int8", "q8_0"), "4-bit": ("4-bit", "q4_0", "q4_k")}
 
 
 async def _request(client, server: Server, prompt: str, new_tokens: int) -> dict:
-    body = {"model": server.model_name, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if getattr(server, "ignore_eos", True):  # transformers serve refuses the field (HTTP 422)
-        body["ignore_eos"] = True
-    t0, first, last, usage, chunks = time.perf_counter(), None, None, None, 0
-    async with client.stream("POST", server.url + "/v1/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{server.name}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ch = json.loads(line[6:])
-            usage = ch.get("usage") or usage
-            if any(c.get("text") for c in ch.get("choices") or []):
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    n = usage["completion_tokens"] if usage else chunks  # a server without usage: one token per chunk
-    return {"t0": t0, "first": first, "last": last, "end": time.perf_counter(), "tokens": n}
+    # transformers serve refuses ignore_eos (HTTP 422): it runs without it
+    extra = {"ignore_eos": True} if getattr(server, "ignore_eos", True) else None
+    r = await one_request(client, server, prompt, new_tokens, extra)
+    if r["tokens"] is None:
+        raise RuntimeError(f"{server.name}: no usage in the stream")
+    return r
 
 
 async def _level(server: Server, prompts: list[str], c: int, new_tokens: int) -> dict:

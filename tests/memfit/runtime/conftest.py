@@ -17,3 +17,21 @@ def check_steps(sm, seqs: dict, refs: dict, steps: list[list[tuple[int, int, int
         assert len(out) == len(wanted)
         for row, (s, pos) in zip(out, wanted, strict=True):
             torch.testing.assert_close(row, refs[s][pos], atol=1e-4, rtol=1e-4)
+
+
+def tiny_gemma3(layer_types: list[str], window: int, head_dim: int = 32, **cfg):
+    """A random Gemma 3 text model of ``layer_types`` (sliding / full), two RoPE bases, norm weights that matter
+    (HF initializes Gemma's (1 + w) norms at 0); ``cfg``: the other Gemma3TextConfig fields."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**cfg, num_hidden_layers=len(layer_types), head_dim=head_dim, sliding_window=window,
+                              layer_types=layer_types, query_pre_attn_scalar=head_dim, rope_parameters={
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    return model

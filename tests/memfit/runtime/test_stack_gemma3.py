@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from memfit.runtime.linear import INT4_GATE_UP_GELU, PANEL_GELU_PAIRS
 from memfit.runtime.slot_model import Segment, SlotModel
+
+from .conftest import tiny_gemma3
 
 WINDOW = 8
 _COMMON = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -25,16 +27,7 @@ def _model(kind: str, head_dim: int = 32) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=head_dim)).eval()
-    cfg = Gemma3TextConfig(**_COMMON, num_hidden_layers=4, head_dim=head_dim, sliding_window=WINDOW,
-                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-                           query_pre_attn_scalar=head_dim, rope_parameters={
-                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
-    model = Gemma3ForCausalLM(cfg)
-    with torch.no_grad():  # HF initializes Gemma's (1 + w) norm weights at 0: make them matter
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.normal_(0, 0.3)
+    model = tiny_gemma3(["sliding_attention", "full_attention"] * 2, WINDOW, head_dim, **_COMMON)
     for i, layer in enumerate(model.model.layers):  # an eps per norm, not one for the model
         layer.post_feedforward_layernorm.eps = 10.0 ** -(2 + i)
         layer.self_attn.k_norm.eps = 1e-3

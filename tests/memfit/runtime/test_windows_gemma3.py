@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -18,7 +16,7 @@ from transformers import (
 from memfit.runtime.attention import _window_mask
 from memfit.runtime.slot_model import SlotModel
 
-from .conftest import check_steps
+from .conftest import check_steps, tiny_gemma3
 
 WINDOW = 8
 _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -28,17 +26,9 @@ _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gemma3":
-        cfg = Gemma3TextConfig(**_COMMON, num_key_value_heads=1, head_dim=32, sliding_window=WINDOW,
-                               layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                               query_pre_attn_scalar=32, rope_parameters={
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
-        model = Gemma3ForCausalLM(cfg)
-        with torch.no_grad():  # HF initializes Gemma's (1 + w) norm weights at 0: make them matter
-            for n, p in model.named_parameters():
-                if n.endswith("norm.weight"):
-                    p.normal_(0, 0.3)
-        return model.eval()
+        common = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}
+        return tiny_gemma3(["sliding_attention", "sliding_attention", "full_attention"], WINDOW, **common,
+                           num_key_value_heads=1).eval()
     if kind == "mistral":
         return MistralForCausalLM(MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=WINDOW)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**_COMMON, num_key_value_heads=2, use_sliding_window=True,
