@@ -151,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, server.handle_exit)
     log.info("serve: model %s on http://%s:%d (health 503 until loaded)", args.model, args.host, args.port)
     server.run()
-    if args.tp > 1 and state.engine is not None and hasattr(state.engine.model, "close"):
-        state.engine.model.close()  # the workers exit after rank 0's last step
+    if args.tp > 1:
+        from serve import tp
+
+        if state.engine is not None and hasattr(state.engine.model, "close"):
+            state.engine.model.close()  # the workers exit after rank 0's last step
+        tp.finish()
     if failure:
         e = failure[0]
         print(f"serve: error: {e}", file=sys.stderr)
@@ -183,6 +187,7 @@ def _tp_worker(args: argparse.Namespace) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
     tp.worker_loop(sm)
+    tp.finish()
     return 0
 
 

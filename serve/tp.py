@@ -86,6 +86,13 @@ class Driver:
             _send(None, None)
 
 
+def finish() -> None:
+    """Leave the process group before the interpreter exits: a gloo group left to interpreter teardown aborted
+    rank 0 now and then ("terminate called without an active exception", SIGABRT, after a clean shutdown)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def worker_loop(sm: SlotModel) -> None:
     """Ranks 1..N-1: run every step rank 0 broadcasts, until it says stop."""
     steps = 0
