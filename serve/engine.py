@@ -1,9 +1,11 @@
 """Continuous-batching engine: one loop (its own thread, or the caller's: a thread or an asyncio task) owns the
-model and the slot KV cache, and composes the named parts, as vLLM v1's engine core does:
+model and its KV cache, and composes the named parts, as vLLM v1's engine core does:
 
-- :class:`~serve.scheduler.Scheduler`: admission (FIFO into free slots), cancellation, the step plan (all
-  decodes, then prefill chunks within ``prefill_chunk``) and closing the step (EOS, max_tokens);
-- :class:`~serve.runner.ModelRunner`: the plan as packed ids + Segments, one ``SlotModel.forward``;
+- :class:`~serve.scheduler.Scheduler`: admission (FIFO), cancellation, the step plan (all decodes, then prefill
+  chunks within ``prefill_chunk``), KV blocks and preemption (:class:`~serve.kv_blocks.BlockPool`, when the
+  model's cache is paged) and closing the step (EOS, max_tokens);
+- :class:`~serve.runner.ModelRunner`: the plan as packed ids + Segments (and block-table rows), one
+  ``SlotModel.forward``;
 - :func:`~serve.sampling.sample_rows`: each sequence's next token (one argmax for the plain-greedy ones);
 - :class:`~serve.detokenizer.IncrementalDetokenizer`: text deltas of the new tokens only, stop strings;
 - :class:`~serve.metrics.EngineMetrics`: the Prometheus observations.
@@ -23,6 +25,7 @@ import torch
 
 from memfit.runtime.slot_model import Segment, SlotModel
 from serve.detokenizer import IncrementalDetokenizer, fast_decode
+from serve.kv_blocks import BlockPool
 from serve.metrics import EngineMetrics
 from serve.runner import ModelRunner
 from serve.sampling import sample_rows, top_logprobs
@@ -46,7 +49,9 @@ async def _let_io_run(loop: asyncio.AbstractEventLoop, rounds: int = 64) -> None
 
 class Engine:
     def __init__(self, model: SlotModel, tokenizer, eos_ids: set[int], prefill_chunk: int = 256,
-                 max_queue: int = 64, metrics=None, own_thread: bool = True):
+                 max_queue: int = 64, metrics=None, own_thread: bool = True, prefix_caching: bool = True):
+        """``prefix_caching``: reuse cached full KV blocks of identical prompt prefixes (paged models only; a
+        model without ``paged`` runs static slots)."""
         self.model = model
         self.tok = tokenizer
         self._decode = fast_decode(tokenizer)  # resolved once: every sequence's detokenizer uses it
@@ -57,7 +62,10 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics
         self.stats = EngineMetrics(metrics)
-        self.scheduler = Scheduler(self.max_batch, self.max_seq_len, self.prefill_chunk, max_queue, self.eos_ids)
+        self.pool = BlockPool(model.num_blocks, model.block_size, prefix_caching) \
+            if getattr(model, "paged", False) else None
+        self.scheduler = Scheduler(self.max_batch, self.max_seq_len, self.prefill_chunk, max_queue, self.eos_ids,
+                                   self.pool)
         self.runner = ModelRunner(model)
         self.lock = self.scheduler.lock
         self.steps = 0
@@ -108,6 +116,24 @@ class Engine:
 
     def update_gauges(self) -> None:
         self.stats.gauges(self.num_running(), self.num_waiting(), self.kv_usage())
+        p = self.pool
+        if p is not None:
+            self.stats.kv(p.num_free, p.num_blocks, p.queries, p.hits, self.scheduler.num_preemptions)
+
+    def kv_info(self) -> dict:
+        """The KV cache as /health shows it."""
+        p, m = self.pool, self.model
+        if p is None:
+            return {"paged": False, "slots": self.max_batch, "slot_tokens": self.max_seq_len,
+                    "bytes": getattr(m, "cache_bytes", None), "prefix_caching": False}
+        return {"paged": True, "block_size": p.block_size, "blocks_total": p.num_blocks, "blocks_free": p.num_free,
+                "blocks_cached": p.num_cached, "bytes": p.num_blocks * m.bytes_per_block,
+                "prefix_caching": p.enable_prefix_caching, "prefix_cache_queries": p.queries,
+                "prefix_cache_hits": p.hits, "preemptions": self.scheduler.num_preemptions}
+
+    def kv_leaks(self) -> list[str]:
+        """With nothing running: the blocks not back in the pool (tests, the soak); [] when all are."""
+        return [] if self.pool is None else self.pool.leaks()
 
     # ---- called from other threads -------------------------------------------------------------
     def submit(self, seqs: list[Sequence]) -> None:
@@ -194,6 +220,8 @@ class Engine:
         plan = sch.schedule()
         for s in plan.aborted:
             self._report_finish(s, "abort")
+        for s, why in plan.failed:
+            self._report_finish(s, "error", error=why)
         if plan.admitted:
             now = time.monotonic()
             for s in plan.admitted:

@@ -24,8 +24,18 @@ class Metrics:
                                 ["reason"], registry=r)
         self.running = Gauge(p + "num_requests_running", "Sequences holding a KV-cache slot.", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Sequences queued for a slot.", registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV-cache token positions in use (0-1).",
-                              registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of the KV cache in use (0-1): paged, blocks "
+                              "held by running sequences; static, slot positions holding K/V.", registry=r)
+        self.kv_blocks_free = Gauge(p + "kv_cache_blocks_free", "Paged KV-cache blocks no running sequence holds "
+                                    "(prefix-cached ones included: reusable or evictable).", registry=r)
+        self.kv_blocks_total = Gauge(p + "kv_cache_blocks_total", "Paged KV-cache blocks in all (static: slots).",
+                                     registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "computed again).", registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Sequences preempted (by recompute) when the KV cache "
+                                   "ran out of blocks.", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.", buckets=_LAT, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive output tokens.",
                              buckets=_ITL, registry=r)
@@ -42,10 +52,25 @@ class EngineMetrics:
     """The engine's observations, recorded in one place: per step (tokens, queue gauges), per sequence
     (admission, each token's latency, finish). A no-op without a :class:`Metrics` (engines in tests, tools)."""
 
-    __slots__ = ("m",)
+    __slots__ = ("m", "_kv_seen")
 
     def __init__(self, metrics: Metrics | None):
         self.m = metrics
+        self._kv_seen = (0, 0, 0)  # prefix-cache queries, hits, preemptions already counted
+
+    def kv(self, blocks_free: int, blocks_total: int, queries: int, hits: int, preemptions: int) -> None:
+        """The KV cache's block gauges, and its running totals (the scheduler's and pool's) as counters."""
+        m = self.m
+        if m is None:
+            return
+        m.kv_blocks_free.set(blocks_free)
+        m.kv_blocks_total.set(blocks_total)
+        q, h, p = self._kv_seen
+        if (queries, hits, preemptions) != (q, h, p):
+            m.prefix_queries.inc(queries - q)
+            m.prefix_hits.inc(hits - h)
+            m.preemptions.inc(preemptions - p)
+            self._kv_seen = (queries, hits, preemptions)
 
     def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
         if self.m is not None:

@@ -1,6 +1,11 @@
 """Runs a :class:`~serve.scheduler.StepPlan` on the model: the plan's tokens packed into one id tensor with a
 :class:`~memfit.runtime.slot_model.Segment` per sequence (its slot, first position, length), one
-``SlotModel.forward``, and the logits rows of the sequences that sample this step."""
+``SlotModel.forward``, and the logits rows of the sequences that sample this step.
+
+With a paged KV cache the runner also writes the planned sequences' block lists into the model's block table
+(``SlotModel.block_table[slot, :n]``), which the forward reads. Only what changed since the last step: a block
+list only grows while its sequence runs (one new block every ``block_size`` tokens), so most decode steps
+write nothing; a row whose sequence changed (a new or resumed sequence in that slot) is written whole."""
 
 from __future__ import annotations
 
@@ -16,6 +21,26 @@ class ModelRunner:
     def __init__(self, model: SlotModel):
         self.model = model
         self.step_hook: Callable[[list[Segment]], None] | None = None  # tests: observe / fault-inject a step
+        self.paged = bool(getattr(model, "paged", False))
+        # per slot: (the block list written into its row, how many entries): a sequence's list object is
+        # replaced, not cleared, when it loses its blocks, so `is` tells a new list from a grown one
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * model.max_batch
+
+    def write_block_table(self, plan: StepPlan) -> None:
+        """Bring the planned sequences' rows of ``model.block_table`` up to date (their blocks only grow)."""
+        table = self.model.block_table
+        rows = self._rows
+        for s in plan.seqs:
+            blocks, slot = s.blocks, s.slot
+            n = len(blocks)
+            old, done = rows[slot]
+            if old is blocks:
+                if done == n:
+                    continue
+            else:
+                done = 0
+            table[slot, done:n] = torch.tensor(blocks[done:n], dtype=torch.long)
+            rows[slot] = (blocks, n)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
         """Run the step; return the logits [rows, V] and, per row, the index of its sequence in the plan. A
@@ -34,6 +59,8 @@ class ModelRunner:
                 ids.extend(s.tokens[c:c + n])
             if want:
                 rows.append(i)
+        if self.paged:
+            self.write_block_table(plan)
         if self.step_hook is not None:
             self.step_hook(segs)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long), segs)

@@ -1,12 +1,24 @@
 """Which sequences run in the next step, and how many tokens each: the engine's scheduler.
 
-It owns the waiting queue (FIFO), the running list and the free KV-cache slots. ``schedule()`` drops cancelled
-sequences, admits waiting ones into free slots (in arrival order, no preemption: a running sequence keeps its
-slot until it finishes) and returns a :class:`StepPlan`: every running decode (1 token each) first, then
-prefill chunks, at most ``prefill_chunk`` prompt tokens in total per step, so a long prompt spreads over
-several steps interleaved with the others' decodes. ``update_from_output()`` closes the step: the K/V of the
-planned tokens are cached, sampled tokens are appended, and a sequence that sampled EOS or reached its
-``max_tokens`` is finished and leaves its slot at once.
+It owns the waiting queue (FIFO), the running list, the free sequence slots (rows of the model's block table,
+at most ``max_batch`` run) and, with a paged KV cache, the :class:`~serve.kv_blocks.BlockPool`. ``schedule()``
+drops cancelled sequences, plans the running ones and admits waiting ones, and returns a :class:`StepPlan`:
+every running decode (1 token each) first, then prefill chunks, at most ``prefill_chunk`` prompt tokens in total
+per step, so a long prompt spreads over several steps interleaved with the others' decodes.
+``update_from_output()`` closes the step: the K/V of the planned tokens are cached (full blocks registered in
+the prefix cache), sampled tokens are appended, and a sequence that sampled EOS or reached its ``max_tokens``
+is finished and gives its slot and blocks back at once.
+
+Static KV cache (no pool: ``--kv-cache static``, and models without a paged cache): a sequence owns a slot of
+``max_seq_len`` positions from admission (FIFO, whenever a slot is free) to its end; nothing is preempted.
+
+Paged KV cache (as vLLM v1): each step gives every planned sequence the blocks its new tokens need, in
+admission order. When the pool runs dry the most recently admitted running sequence is *preempted by
+recompute*: its blocks go back, it returns to the front of the waiting queue, and later prefills its prompt and
+generated tokens again (its full blocks stay in the prefix cache meanwhile, so it mostly finds them) and goes on
+where it stopped. A waiting sequence is admitted (FIFO: the head waits, none skips it) when a slot is free, the
+step has prefill budget left and the pool has the blocks of its first chunk; none is admitted in a step that
+preempted. A sequence that cannot fit even alone fails with an error instead of waiting forever.
 
 ``lock`` guards the queues: ``add``/``cancel`` come from other threads (the HTTP handlers).
 """
@@ -18,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from serve.kv_blocks import BlockPool, blocks_for
 from serve.sequence import Sequence
 
 
@@ -37,14 +50,20 @@ class StepPlan:
     num_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0
     aborted: list[Sequence] = field(default_factory=list)  # cancelled before this step, to be reported
-    admitted: list[Sequence] = field(default_factory=list)  # got a slot for this step
+    admitted: list[Sequence] = field(default_factory=list)  # got a slot for the first time this step
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # can never fit the KV cache: (seq, why)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting (paged cache full)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_seq_len: int, prefill_chunk: int, max_queue: int, eos_ids: set[int]):
+    def __init__(self, max_batch: int, max_seq_len: int, prefill_chunk: int, max_queue: int, eos_ids: set[int],
+                 pool: BlockPool | None = None):
+        """``pool``: the paged KV cache's blocks (None: static slots of ``max_seq_len`` positions)."""
+        self.pool = pool
+        self.num_preemptions = 0
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.prefill_chunk = max(1, prefill_chunk)
@@ -71,7 +90,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def kv_usage(self) -> float:
-        """Fraction of the slot cache's positions holding K/V."""
+        """Paged: fraction of the blocks held by running sequences; static: of the slots' positions holding K/V."""
+        if self.pool is not None:
+            return self.pool.usage()
         used = sum(s.computed for s in list(self.running))
         return used / float(self.max_batch * self.max_seq_len)
 
@@ -86,6 +107,9 @@ class Scheduler:
             if seq.slot is not None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
+            if seq.blocks:
+                self.pool.release(seq.blocks)
+                seq.blocks = []
             if seq in self.running:
                 self.running.remove(seq)
             return True
@@ -103,6 +127,9 @@ class Scheduler:
                     self.waiting.remove(s)
                     if self.finish(s, "abort"):
                         plan.aborted.append(s)
+            if self.pool is not None:
+                self._schedule_paged(plan)
+                return plan
             if self.waiting and self.free_slots:
                 now = time.monotonic()
                 while self.waiting and self.free_slots:
@@ -123,18 +150,141 @@ class Scheduler:
             if budget <= 0:
                 break
             if s.in_prefill:
-                n = min(budget, len(s.prompt_ids) - s.computed)
+                n = min(budget, s.prefill_len - s.computed)
                 seqs.append(s)
                 num.append(n)
                 budget -= n
         return plan
 
+    # ---- paged KV cache ----------------------------------------------------------------------------
+    def _schedule_paged(self, plan: StepPlan) -> None:
+        """Under the lock: grow the running sequences' blocks (preempting from the tail when the pool is dry),
+        then admit from the head of the queue while the pool holds their first chunk."""
+        pool = self.pool
+        budget = self.prefill_chunk
+        planned: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running):  # admission order: a victim (the tail) is never one planned before
+            s = self.running[i]
+            if s.in_prefill:
+                if budget <= 0:
+                    i += 1
+                    continue
+                n = min(budget, s.prefill_len - s.computed)
+            else:
+                n = 1
+            while not self._grow(s, s.computed + n):
+                if len(self.running) == 1:  # alone and still short: the pool can never hold it
+                    self._fail(plan, s, f"needs more than the KV cache's {pool.num_blocks} blocks of "
+                                        f"{pool.block_size} tokens")
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is s:
+                    break
+            if s.slot is None:  # preempted or failed: it was the last one
+                break
+            planned.append((s, n))
+            if s.in_prefill:
+                budget -= n
+            i += 1
+        if not plan.preempted:
+            now = time.monotonic()
+            while self.waiting and self.free_slots and budget > 0:
+                s = self.waiting[0]
+                n = self._admit_paged(s, budget, plan)
+                if n is None:
+                    break
+                if n:
+                    if s.scheduled is None:  # its first admission (not a resume after a preemption)
+                        s.scheduled = now
+                        plan.admitted.append(s)
+                    planned.append((s, n))
+                    budget -= n
+        for s, n in planned:  # decodes first
+            if not s.in_prefill:
+                plan.seqs.append(s)
+                plan.num_tokens.append(n)
+        plan.num_decodes = len(plan.seqs)
+        for s, n in planned:
+            if s.in_prefill:
+                plan.seqs.append(s)
+                plan.num_tokens.append(n)
+
+    def _admit_paged(self, s: Sequence, budget: int, plan: StepPlan) -> int | None:
+        """Admit the queue's head ``s`` if the pool holds its first chunk (after its prefix-cache hit): the
+        chunk's token count; 0 when it failed instead (too large for the whole pool); None when it must wait."""
+        pool = self.pool
+        bs = pool.block_size
+        total = min(len(s.prompt_ids) + s.params.max_tokens - 1, self.max_seq_len)  # positions it will write
+        if blocks_for(max(total, len(s.tokens)), bs) > pool.num_blocks:
+            self.waiting.popleft()
+            self._fail(plan, s, f"needs {blocks_for(max(total, len(s.tokens)), bs)} KV blocks of {bs} tokens "
+                                f"({max(total, len(s.tokens))} positions), the cache has {pool.num_blocks}")
+            return 0
+        hit = pool.match(s.tokens, s.block_hashes, count=s.num_preemptions == 0)
+        computed = len(hit) * bs
+        n = min(budget, s.prefill_len - computed)
+        need = blocks_for(computed + n, bs) - len(hit)
+        reused_free = sum(1 for b in hit if pool.ref[b] == 0)  # taking them removes them from the free queue
+        if need + reused_free > pool.num_free:
+            return None
+        self.waiting.popleft()
+        pool.take(hit)
+        s.blocks = hit + pool.allocate(need)
+        s.num_registered = len(hit)
+        s.computed = computed
+        if s.num_preemptions == 0:
+            s.cache_hit = computed
+        s.slot = self.free_slots.pop(0)
+        self.running.append(s)
+        return n
+
+    def _grow(self, s: Sequence, num_tokens: int) -> bool:
+        """Give ``s`` the blocks covering its first ``num_tokens`` positions; False (nothing taken) if short."""
+        need = blocks_for(num_tokens, self.pool.block_size) - len(s.blocks)
+        if need <= 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        s.blocks.extend(new)
+        return True
+
+    def _preempt(self, s: Sequence) -> None:
+        """Preempt by recompute: ``s`` gives back its slot and blocks and waits at the queue's front; it will
+        prefill its prompt and generated tokens again (``prefill_len``) and sample its next token after that."""
+        self.running.remove(s)
+        self.pool.release(s.blocks)
+        s.blocks = []
+        s.num_registered = 0
+        self.free_slots.append(s.slot)
+        s.slot = None
+        s.computed = 0
+        s.prefill_len = len(s.tokens)
+        s.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(s)
+
+    def _fail(self, plan: StepPlan, s: Sequence, why: str) -> None:
+        if self.finish(s, "error"):
+            plan.failed.append((s, f"KV cache too small: this sequence {why}"))
+
     def update_from_output(self, plan: StepPlan, sampled: list[int | None]) -> None:
         """Close the step: ``sampled[i]`` is ``plan.seqs[i]``'s new token (None: mid-prefill, cancelled or
         failed). Finishes sequences on EOS ("stop") or at max_tokens ("length")."""
         eos = self.eos_ids
+        pool = self.pool
+        register = pool is not None and pool.enable_prefix_caching
         for s, n, tok in zip(plan.seqs, plan.num_tokens, sampled, strict=True):
             s.computed += n
+            if register and s.blocks:
+                full = min(s.computed // pool.block_size, len(s.blocks))
+                if full > s.num_registered:  # newly full blocks, generated tokens included
+                    pool.register(s.blocks, pool.extend_hashes(s.tokens, s.block_hashes, full), s.num_registered,
+                                  full)
+                    s.num_registered = full
             if tok is None or s.finished:
                 continue
             s.out_ids.append(tok)

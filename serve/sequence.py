@@ -48,8 +48,18 @@ class Sequence:
         self.detok = None  # serve.detokenizer.IncrementalDetokenizer, set by Engine.submit (it holds the tokenizer)
         self.tokens = list(prompt_ids)  # prompt + generated: what the runner feeds the model
         self.out_ids: list[int] = []
-        self.slot: int | None = None
+        self.slot: int | None = None  # the running sequence's index in the model (its block-table row)
         self.computed = 0  # tokens whose K/V are in the cache
+        # tokens to compute before decoding: the prompt, or after a preemption the prompt + generated tokens
+        # (recomputed, the last chunk samples the next new token: nothing already streamed is produced again)
+        self.prefill_len = len(self.prompt_ids)
+        # paged KV cache (serve.kv_blocks): the blocks holding positions 0.., in order; the chain hashes of its
+        # full blocks (kept across preemptions: its tokens only grow); how many of its blocks are registered
+        self.blocks: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered = 0
+        self.num_preemptions = 0
+        self.cache_hit = 0  # prompt tokens found in the prefix cache at its first admission
         self.cancelled = False
         self.finished = False
         self.finish_reason: str | None = None
@@ -60,4 +70,4 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.computed < len(self.prompt_ids)
+        return self.computed < self.prefill_len
