@@ -1,5 +1,9 @@
-"""Attention of one decoder layer over the slot KV cache, for a step's decodes and prefill chunks (the Python
+"""Attention of one decoder layer over the paged KV cache, for a step's decodes and prefill chunks (the Python
 reference path of SlotModel; the C++ layer loop does the same in csrc/attention.cpp).
+
+A layer's cache is ``[blocks, kv_heads, block_size, head_dim]`` and ``ix["table"]`` maps each slot's positions to
+blocks (slot_model.py). memfit's kernels read through the table; elsewhere a paged cache's sequences are gathered
+into contiguous ``[n, kv_heads, positions, head_dim]`` first (the static cache, one block per slot, is sliced).
 
 Decodes (1 token each) are attended as one padded batch, prefill chunks one by one. memfit's kernels run
 where they apply (CPU, fp32); torch's SDPA everywhere else. Sliding-window layers (Gemma 2/3, Qwen2 windows)
@@ -27,6 +31,16 @@ class StepLayout:
     all_dec: bool  # every segment is a decode: token order == decode order
     contiguous: bool  # the decodes' slots are consecutive (a slice of the cache, no gather)
     dec_max: int  # the longest decode's length (0 without decodes): computed once a step, read by every layer
+    paged: bool = False  # the cache has several blocks per slot (else block_table[s, 0] == s)
+
+
+def _rows(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
+    """The cached positions [0, end) of the sequences in ``slots`` as [len(slots), KV, end, D], gathered through
+    the block table."""
+    bs = cache.shape[2]
+    nb = -(-end // bs)
+    g = cache[table[slots, :nb]]  # [n, nb, KV, bs, D]
+    return g.transpose(1, 2).reshape(g.shape[0], g.shape[2], nb * bs, g.shape[4])[:, :, :end]
 
 
 def prefix_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
@@ -61,9 +75,11 @@ def _decodes(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay:
     dec_max = lay.dec_max
     windowed = window is not None and dec_max > window
     if ops is not None and not windowed:
-        return ops.decode_attention(qd, kc, vc, ix["dec_slots"], ix["dec_len"], scale)
+        return ops.decode_attention(qd, kc, vc, ix["table"], ix["dec_slots"], ix["dec_len"], scale)
     lo = max(0, min(lay.dec_lens) - window) if windowed else 0  # keys before lo are outside every window
-    if lay.contiguous:
+    if lay.paged:
+        kd, vd = (_rows(c, ix["table"], ix["dec_slots"], dec_max)[:, :, lo:] for c in (kc, vc))
+    elif lay.contiguous:
         a = lay.dec_slots[0]
         kd, vd = kc[a:a + len(lay.dec_slots), :, lo:dec_max], vc[a:a + len(lay.dec_slots), :, lo:dec_max]
     else:
@@ -78,10 +94,14 @@ def _decodes(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay:
 
 
 def _chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: int, start: int, scale: float,
-           window: int | None) -> torch.Tensor:
-    """[n, H, D] attention of one prefill chunk q [n, H, D] at positions start.. over its slot's cache."""
+           window: int | None, table: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, H, D] attention of one prefill chunk q [n, H, D] at positions start.. over its slot's cache (with
+    ``table``: paged, its rows gathered first)."""
     n, H = q.shape[0], q.shape[1]
     end = start + n
+    if table is not None:
+        slots = torch.tensor([slot], device=table.device)
+        kc, vc, slot = _rows(kc, table, slots, end), _rows(vc, table, slots, end), 0
     gqa = kc.shape[1] != H
     qp = q.transpose(0, 1)[None]  # [1, H, n, D]
     if window is not None and end > window:
@@ -117,7 +137,7 @@ def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay: S
         if ops is not None and ops.prefill_attention_fits(D, end) and (window is None or end <= window):
             ours += [a, n, s.slot, s.start]
             continue
-        out[a:a + n] = _chunk(q[a:a + n], kc, vc, s.slot, s.start, scale, window)
+        out[a:a + n] = _chunk(q[a:a + n], kc, vc, s.slot, s.start, scale, window, ix["table"] if lay.paged else None)
     if ours:
-        ops.prefill_attention(q, kc, vc, out, ours, scale)
+        ops.prefill_attention(q, kc, vc, ix["table"], out, ours, scale)
     return out

@@ -71,16 +71,18 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class HFCacheModel:
     """SlotModel's interface over the HF model's own forward, one ``DynamicCache`` per slot.
 
-    ``cache_dtype``, ``dense_kernel``, ``cpu_kernels`` and ``bf16_weights`` are accepted for the same call signature
-    and ignored:
+    ``cache_dtype``, ``dense_kernel``, ``cpu_kernels``, ``bf16_weights``, ``num_blocks`` and ``block_size`` are
+    accepted for the same call signature and ignored (its caches are never paged: ``paged`` is False):
     HF's cache holds the model's dtype and its modules run as they are. ``prefetch`` is ignored too (offloaded
     layers load inside their own forward, through accelerate's hooks)."""
 
     engine = GENERIC
+    paged = False
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
                  cache_dtype: torch.dtype | None = None, prefetch: bool = False, dense_kernel: str = "off",
-                 cpu_kernels: str = "off", bf16_weights: bool = False, reason: str = ""):
+                 cpu_kernels: str = "off", bf16_weights: bool = False, num_blocks: int | None = None,
+                 block_size: int | None = None, reason: str = ""):
         cfg = hf_model.config
         problem = not_causal_decoder(cfg)
         if problem:
@@ -219,7 +221,8 @@ def supports(config: Any) -> bool:
 def make_runner(hf_model: torch.nn.Module, max_batch: int, max_seq_len: int, generic_ok: bool = True,
                 **kwargs: Any) -> SlotModel | HFCacheModel:
     """The engine for ``hf_model``: SlotModel where it supports the architecture, else HFCacheModel.
-    ``kwargs`` are SlotModel's (cache_dtype, prefetch, dense_kernel, cpu_kernels, bf16_weights). ``generic_ok=False``
+    ``kwargs`` are SlotModel's (cache_dtype, prefetch, dense_kernel, cpu_kernels, bf16_weights, num_blocks,
+    block_size). ``generic_ok=False``
     (tensor parallel, which only SlotModel does) refuses models that would run on the generic engine."""
     cfg = hf_model.config
     mt = getattr(cfg, "model_type", None)

@@ -2,8 +2,10 @@
 
 One call runs any mix of decode tokens and prefill chunks from different sequences ("segments"):
 all tokens of the step are packed into one ``[T, hidden]`` matrix so every Linear runs once per
-layer; attention reads a preallocated KV cache ``[layers, max_batch, kv_heads, max_seq, head_dim]``
-(one static slot per running sequence, never reallocated) with per-token positions.
+layer; attention reads a preallocated, paged KV cache: per layer ``[num_blocks, kv_heads, block_size, head_dim]``,
+and a block table ``[max_batch, max_blocks_per_seq]`` whose row ``slot`` lists the blocks of the sequence running in
+that slot (the caller, serve's scheduler, allocates blocks and writes the table). Without ``block_size`` each slot
+owns one block of ``max_seq_len`` positions: the static slot cache, ``block_table[s, 0] == s``.
 
 Only the *modules* of the HF model are called (``layer.self_attn.q_proj(x)``, ``layer.mlp(x)``,
 ``layer.input_layernorm(x)``), never their ``.weight``, so quantized Linear replacements from
@@ -103,9 +105,12 @@ class SlotModel:
 
     def __init__(self, hf_model: torch.nn.Module, max_batch: int, max_seq_len: int,
                  cache_dtype: torch.dtype | None = None, prefetch: bool = False, dense_kernel: str = "off",
-                 cpu_kernels: str = "off", bf16_weights: bool = False):
+                 cpu_kernels: str = "off", bf16_weights: bool = False, num_blocks: int | None = None,
+                 block_size: int | None = None):
         """``bf16_weights``: the Linears' weights (lm_head included) in bf16 on memfit's panel kernel, from an fp32
-        or a bf16 model; activations, norms and the KV cache stay fp32 (dense.PanelLinear says why)."""
+        or a bf16 model; activations, norms and the KV cache stay fp32 (dense.PanelLinear says why).
+        ``block_size`` and ``num_blocks``: a paged KV cache of that many blocks of that many positions (both or
+        neither; neither: the static slot cache)."""
         cfg = hf_model.config
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_TYPES:
@@ -149,7 +154,18 @@ class SlotModel:
         # each layer's KV cache lives where that layer executes (device maps split layers over devices)
         self.layer_devices = [exec_device(layer) for layer in self.layers]
         self.embed_device = exec_device(self.inner.embed_tokens)
-        shape = (max_batch, self.num_kv, max_seq_len, self.head_dim)
+        if (block_size is None) != (num_blocks is None):
+            raise UserError("a paged KV cache needs both num_blocks and block_size")
+        self.paged = block_size is not None
+        self.block_size = int(block_size) if self.paged else max_seq_len
+        self.num_blocks = int(num_blocks) if self.paged else max_batch
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise UserError(f"KV cache: block_size ({self.block_size}) and num_blocks ({self.num_blocks}) must be >= 1")
+        self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
+        self.block_table = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.long)
+        if not self.paged:
+            self.block_table[:, 0] = torch.arange(max_batch)
+        shape = (self.num_blocks, self.num_kv, self.block_size, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
@@ -211,6 +227,11 @@ class SlotModel:
     def cache_bytes(self) -> int:
         return sum(self.cache_bytes_per_device().values())
 
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes of one block over all layers (a position of every layer, times block_size)."""
+        return sum(2 * k[0].numel() * k.element_size() for k in self.k_cache)
+
     def cache_bytes_per_device(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for k in self.k_cache:
@@ -265,9 +286,10 @@ class SlotModel:
         all_dec = len(dec_idx) == len(segments)  # pure decode step: token order == decode order
         contiguous = bool(dec_idx) and dec_slot_list == list(range(dec_slot_list[0], dec_slot_list[0] + len(dec_idx)))
         pre = [(i, s) for i, s in enumerate(segments) if s.length > 1]
-        lay = StepLayout(offsets, pre, dec_idx, dec_slot_list, dec_len_list, all_dec, contiguous, dec_max)
+        lay = StepLayout(offsets, pre, dec_idx, dec_slot_list, dec_len_list, all_dec, contiguous, dec_max,
+                         self.paged)
         index = {"positions": positions, "slots": slots, "dec_tok": dec_tok, "dec_slots": dec_slots,
-                 "dec_len": dec_len, "dec_mask": dec_mask}
+                 "dec_len": dec_len, "dec_mask": dec_mask, "table": self.block_table}
         for kind, (cos, sin) in ropes.items():
             index[f"cos:{kind}"], index[f"sin:{kind}"] = cos, sin
         # The rows whose logits the step returns: the last layer runs its o_proj and MLP on these rows only
@@ -279,9 +301,12 @@ class SlotModel:
         if self.stack is not None:  # every layer on memfit.runtime.kernels: the C++ loop (fast_stack.py)
             prefill = [x for i, s in pre for x in (offsets[i], s.length, s.slot, s.start)]
             tables = [ropes[k] for k in self.rope.kinds]  # fast_stack numbers each layer's table in this order
-            h = self.stack.forward(h[0], [c for c, _ in tables], [s_ for _, s_ in tables], slots, positions, dec_tok,
-                                   dec_slots, dec_len, all_dec, prefill, keep_t)[None]
+            h = self.stack.forward(h[0], [c for c, _ in tables], [s_ for _, s_ in tables], self.block_table, slots,
+                                   positions, dec_tok, dec_slots, dec_len, all_dec, prefill, keep_t)[None]
         else:
+            # where each token's K/V go: its block (through the table) and the row in it
+            index["blk"] = self.block_table[slots, positions // self.block_size]
+            index["off"] = positions % self.block_size
             h = self._python_layers(h, index, lay, keep_t)
         if not want:
             return torch.empty(0, self.vocab_size)
@@ -330,7 +355,7 @@ class SlotModel:
             if ops is not None:
                 # one kernel: RoPE in place on the q and k heads of [T, H + 2 KV, D], then k and v into the cache
                 heads = qkv.view(T, H + 2 * KV, D) if fused and not qk_norm else torch.cat((q, k, v), dim=1)
-                ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, ix["slots"], ix["positions"])
+                ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, ix["table"], ix["slots"], ix["positions"])
                 q = heads[:, :H]
             else:
                 # RoPE once over query and key heads: in the fused output they are adjacent columns (one view,
@@ -338,8 +363,8 @@ class SlotModel:
                 qk = qkv[:, :(H + KV) * D].view(T, H + KV, D) if fused and not qk_norm else torch.cat((q, k), dim=1)
                 qk = qk * cos + _rotate_half(qk) * sin
                 q, k = qk[:, :H], qk[:, H:]
-                kc[ix["slots"], :, ix["positions"]] = k if k.dtype == kc.dtype else k.to(kc.dtype)
-                vc[ix["slots"], :, ix["positions"]] = v if v.dtype == vc.dtype else v.to(vc.dtype)
+                kc[ix["blk"], :, ix["off"]] = k if k.dtype == kc.dtype else k.to(kc.dtype)
+                vc[ix["blk"], :, ix["off"]] = v if v.dtype == vc.dtype else v.to(vc.dtype)
             out = attend(q, kc, vc, ix, lay, ops, self.scale, self.windows[li]).reshape(1, T, H * D)
             if li == len(self.layers) - 1 and keep.numel():  # the last layer: only the wanted rows go on
                 kd = keep.to(dev)

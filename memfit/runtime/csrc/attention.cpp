@@ -39,115 +39,138 @@ inline void softmax_row(float* p, int64_t L) {
   for (int64_t i = 0; i < L; ++i) p[i] *= inv;
 }
 
-// one (sequence, KV head) work item with D a multiple of 16: the G query rows' 16-float slices and output
-// accumulators stay in vectors, each key / value row is loaded once for all G, and exp runs 16 lanes at a time
-// (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions, cold caches:
-// ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory bandwidth)
-void attend_vec(const float* const* qs, const float* K, const float* V, int64_t L, int64_t G, int64_t D,
-                float sc, float* const* outs, std::vector<float>& p, std::vector<v16>& acc) {
+// a run of consecutive key / value rows of one (sequence, KV head): one block's part of its positions
+struct Span {
+  const float *K, *V;
+  int64_t n;
+};
+
+// the rows of positions [lo, len) of (slot, KV head g), one Span per block they touch
+void spans_of(const KvPages& kv, int64_t slot, int64_t g, int64_t lo, int64_t len, std::vector<Span>& out) {
+  out.clear();
+  for (int64_t p = lo; p < len;) {
+    const int64_t n = std::min(len, (p / kv.bs + 1) * kv.bs) - p, off = kv.at(slot, g, p);
+    out.push_back({kv.k + off, kv.v + off, n});
+    p += n;
+  }
+}
+
+// one (sequence, KV head) work item with D a multiple of 16, over its L rows in spans: the G query rows' 16-float
+// slices and output accumulators stay in vectors, each key / value row is loaded once for all G, and exp runs 16
+// lanes at a time (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions,
+// cold caches: ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory
+// bandwidth)
+void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
+                float* const* outs, std::vector<float>& p, std::vector<v16>& acc) {
   const int64_t nd = D / 16;
   p.resize(G * L);
   acc.assign(G * nd, v16{});
-  for (int64_t l = 0; l < L; ++l) {
-    const v16u* kr = reinterpret_cast<const v16u*>(K + l * D);
-    for (int64_t j = 0; j < G; ++j) {
-      const v16u* qr = reinterpret_cast<const v16u*>(qs[j]);
-      v16 a = qr[0] * kr[0];
-      for (int64_t d = 1; d < nd; ++d) a += qr[d] * kr[d];
-      p[j * L + l] = hsum(a) * sc;
+  int64_t l = 0;
+  for (const Span& sp : spans)
+    for (int64_t i = 0; i < sp.n; ++i, ++l) {
+      const v16u* kr = reinterpret_cast<const v16u*>(sp.K + i * D);
+      for (int64_t j = 0; j < G; ++j) {
+        const v16u* qr = reinterpret_cast<const v16u*>(qs[j]);
+        v16 a = qr[0] * kr[0];
+        for (int64_t d = 1; d < nd; ++d) a += qr[d] * kr[d];
+        p[j * L + l] = hsum(a) * sc;
+      }
     }
-  }
   for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
-  for (int64_t l = 0; l < L; ++l) {
-    const v16u* vr = reinterpret_cast<const v16u*>(V + l * D);
-    for (int64_t j = 0; j < G; ++j) {
-      const float pl = p[j * L + l];
-      v16* o = acc.data() + j * nd;
-      for (int64_t d = 0; d < nd; ++d) o[d] += pl * vr[d];
+  l = 0;
+  for (const Span& sp : spans)
+    for (int64_t i = 0; i < sp.n; ++i, ++l) {
+      const v16u* vr = reinterpret_cast<const v16u*>(sp.V + i * D);
+      for (int64_t j = 0; j < G; ++j) {
+        const float pl = p[j * L + l];
+        v16* o = acc.data() + j * nd;
+        for (int64_t d = 0; d < nd; ++d) o[d] += pl * vr[d];
+      }
     }
-  }
   for (int64_t j = 0; j < G; ++j)
     for (int64_t d = 0; d < nd; ++d) *reinterpret_cast<v16u*>(outs[j] + d * 16) = acc[j * nd + d];
 }
 
 // the same for any D, one element at a time
-void attend_scalar(const float* const* qs, const float* K, const float* V, int64_t L, int64_t G, int64_t D,
-                   float sc, float* const* outs, std::vector<float>& p) {
+void attend_scalar(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
+                   float* const* outs, std::vector<float>& p) {
   p.resize(G * L);
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t j = 0; j < G; ++j) {
-      float a = 0.f;
-      for (int64_t d = 0; d < D; ++d) a += qs[j][d] * K[l * D + d];
-      p[j * L + l] = a * sc;
-    }
+  int64_t l = 0;
+  for (const Span& sp : spans)
+    for (int64_t i = 0; i < sp.n; ++i, ++l)
+      for (int64_t j = 0; j < G; ++j) {
+        float a = 0.f;
+        for (int64_t d = 0; d < D; ++d) a += qs[j][d] * sp.K[i * D + d];
+        p[j * L + l] = a * sc;
+      }
   for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
-  for (int64_t j = 0; j < G; ++j) {
-    std::fill_n(outs[j], D, 0.f);
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t d = 0; d < D; ++d) outs[j][d] += p[j * L + l] * V[l * D + d];
-  }
+  for (int64_t j = 0; j < G; ++j) std::fill_n(outs[j], D, 0.f);
+  l = 0;
+  for (const Span& sp : spans)
+    for (int64_t i = 0; i < sp.n; ++i, ++l)
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t d = 0; d < D; ++d) outs[j][d] += p[j * L + l] * sp.V[i * D + d];
 }
 
 // What the two attention kernels share: the checks on q [rows, H, D] (last dim contiguous, e.g. the query heads of
-// the fused qkv output) and on the slot caches [B, KV, S, D], their sizes, and where a query vector and a (slot,
-// KV head)'s key and value rows start
+// the fused qkv output) and on the paged caches (KvPages), and where a query vector starts
 struct AttnArgs {
-  int64_t rows, H, D, B, KV, S, G;
+  KvPages kv;
+  int64_t rows, H, D, KV, G;
   float sc;
-  const float *qp, *kp, *vp;
+  const float* qp;
   int64_t sq0, sq1;
 
-  AttnArgs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, double scale) {
+  AttnArgs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table, double scale)
+      : kv(kc, vc, table, q.size(-1)) {
     check_f32_cpu(q, "q");
     TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, H, D] with a contiguous last dim");
-    rows = q.size(0), H = q.size(1), D = q.size(2), B = kc.size(0), KV = kc.size(1), S = kc.size(2);
-    check_caches(kc, vc, D);
+    rows = q.size(0), H = q.size(1), D = q.size(2), KV = kv.KV;
     TORCH_CHECK(H % KV == 0, "query heads must be a multiple of the KV heads");
     G = H / KV;
     sc = static_cast<float>(scale);
-    qp = q.data_ptr<float>(), kp = kc.data_ptr<float>(), vp = vc.data_ptr<float>();
+    qp = q.data_ptr<float>();
     sq0 = q.stride(0), sq1 = q.stride(1);
   }
   const float* query(int64_t row, int64_t head) const { return qp + row * sq0 + head * sq1; }
-  const float* keys(int64_t slot, int64_t g) const { return kp + (slot * KV + g) * S * D; }
-  const float* values(int64_t slot, int64_t g) const { return vp + (slot * KV + g) * S * D; }
 };
 
 }  // namespace
 
 // One query token per sequence: out[i, h] = softmax(q[i, h] . K[slot_i, h / G, lo_i:len_i] * scale) V[...], with
 // lo_i = max(0, len_i - window) for a sliding window (HF's rule: the query at position p sees keys p - window < j
-// <= p) and 0 without one (window 0). q [n, H, D] (last dim contiguous), caches [B, KV, S, D]; G = H / KV query
+// <= p) and 0 without one (window 0). q [n, H, D] (last dim contiguous), paged caches (KvPages); G = H / KV query
 // heads share a KV head, so each key and value row is loaded once for the G of them.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale, int64_t window) {
-  const AttnArgs A(q, kc, vc, scale);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window) {
+  const AttnArgs A(q, kc, vc, table, scale);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const int64_t n = A.rows, H = A.H, D = A.D, KV = A.KV, G = A.G;
-  auto sl = checked_indices(slots, n, 0, A.B, "slot");
-  auto ln = checked_indices(lens, n, 1, A.S + 1, "length");
+  auto sl = checked_indices(slots, n, 0, A.kv.slots, "slot");
+  auto ln = checked_indices(lens, n, 1, A.kv.MB * A.kv.bs + 1, "length");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* lnp = ln.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) A.kv.span(slp[i], lnp[i]);
   auto out = at::empty({n, H, D}, q.options());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n * KV, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> p;
     std::vector<v16> acc;
+    std::vector<Span> spans;
     std::vector<const float*> qs(G);
     std::vector<float*> outs(G);
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t i = w / KV, g = w % KV;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, lnp[i] - window) : 0;
-      const float* K = A.keys(slp[i], g) + lo * D;
-      const float* V = A.values(slp[i], g) + lo * D;
+      spans_of(A.kv, slp[i], g, lo, lnp[i], spans);
       for (int64_t j = 0; j < G; ++j) {
         qs[j] = A.query(i, g * G + j);
         outs[j] = op + (i * H + g * G + j) * D;
       }
       if (D % 16 == 0)
-        attend_vec(qs.data(), K, V, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
+        attend_vec(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
       else
-        attend_scalar(qs.data(), K, V, lnp[i] - lo, G, D, A.sc, outs.data(), p);
+        attend_scalar(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p);
     }
   });
   return out;
@@ -231,45 +254,59 @@ int64_t first_key(int64_t start, int64_t window) { return window > 0 ? std::max<
 
 // out[a + r, h] = softmax(q[a + r, h] . K[slot, h / G, lo_r:start + r + 1] * scale) V[...] for each chunk
 // (a, n, slot, start) of segs and r < n, lo_r = first_key(start + r, window); the chunk's keys and values are in the
-// caches already (rope_store). q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk are
-// left as they are.
-void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
-                       const std::vector<int64_t>& segs, double scale, int64_t window) {
-  const AttnArgs A(q, kc, vc, scale);
+// paged caches already (rope_store). q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk
+// are left as they are.
+void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+                       at::Tensor& out, const std::vector<int64_t>& segs, double scale, int64_t window) {
+  const AttnArgs A(q, kc, vc, table, scale);
+  const KvPages& kv = A.kv;
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   check_f32_cpu(out, "out");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, q's shape");
   TORCH_CHECK(segs.size() % 4 == 0, "segs: (offset, length, slot, start) per chunk");
-  const int64_t T = A.rows, H = A.H, D = A.D, B = A.B, KV = A.KV, S = A.S, G = A.G;
+  const int64_t T = A.rows, H = A.H, D = A.D, KV = A.KV, G = A.G;
   std::vector<std::array<int64_t, 3>> items;  // (chunk, KV head, first row)
   std::vector<int64_t> kt_at;  // per (chunk, KV head): where its transposed keys start in kt
-  int64_t kt_size = 0;
+  std::vector<int64_t> vt_at;  // per (chunk, KV head): where its gathered values start in vt, -1: read in place
+  int64_t kt_size = 0, vt_size = 0;
   for (size_t c = 0; c < segs.size(); c += 4) {
     const int64_t a = segs[c], n = segs[c + 1], slot = segs[c + 2], start = segs[c + 3];
-    TORCH_CHECK(a >= 0 && n > 0 && a + n <= T && slot >= 0 && slot < B && start >= 0 && start + n <= S,
-                "prefill_attention: chunk out of range");
-    const int64_t keys = start + n - first_key(start, window);
+    TORCH_CHECK(a >= 0 && n > 0 && a + n <= T && start >= 0, "prefill_attention: chunk out of range");
+    kv.span(slot, start + n);
+    const int64_t k0 = first_key(start, window), keys = start + n - k0;
     TORCH_CHECK(prefill_attention_fits(D, keys), "prefill_attention: head_dim or length not supported");
+    // values inside one block are read in place (the static cache's case); across blocks, gathered once
+    const bool gather = k0 / kv.bs != (start + n - 1) / kv.bs;
     for (int64_t g = 0; g < KV; ++g) {
       kt_at.push_back(kt_size);
       kt_size += (keys + 31) / 32 * 32 * D;
+      vt_at.push_back(gather ? vt_size : -1);
+      vt_size += gather ? keys * D : 0;
       for (int64_t r = 0; r < n; r += kRows) items.push_back({static_cast<int64_t>(c), g, r});
     }
   }
   float* op = out.data_ptr<float>();
   // each chunk's keys [k0, end) per KV head (k0 = first_key(start)), transposed once for all of its row blocks, in
   // blocks of 16 keys ([(end - k0) / 16][D][16], zeros past end up to a multiple of 32): transposing per work item
-  // instead cost as much as the score FMAs at long prefixes
-  std::vector<float> kt(kt_size);
+  // instead cost as much as the score FMAs at long prefixes. Values spread over several blocks are gathered to
+  // [end - k0][D] in the same pass.
+  std::vector<float> kt(kt_size), vt(vt_size);
   at::parallel_for(0, static_cast<int64_t>(kt_at.size()), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t c = p / KV * 4, g = p % KV, k0 = first_key(segs[c + 3], window);
+      const int64_t c = p / KV * 4, g = p % KV, slot = segs[c + 2], k0 = first_key(segs[c + 3], window);
       const int64_t L = segs[c + 3] + segs[c + 1] - k0;
-      const float* K = A.keys(segs[c + 2], g) + k0 * D;
       float* dst = kt.data() + kt_at[p];
       for (int64_t lb = 0; lb < (L + 31) / 32 * 32; lb += 16, dst += 16 * D)
-        for (int64_t i = 0; i < 16; ++i)
-          for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = lb + i < L ? K[(lb + i) * D + d] : 0.f;
+        for (int64_t i = 0; i < 16; ++i) {
+          if (lb + i >= L) {
+            for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = 0.f;
+            continue;
+          }
+          const float* K = kv.k + kv.at(slot, g, k0 + lb + i);
+          for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = K[d];
+        }
+      if (vt_at[p] >= 0)
+        for (int64_t l = 0; l < L; ++l) std::copy_n(kv.v + kv.at(slot, g, k0 + l), D, vt.data() + vt_at[p] + l * D);
     }
   });
   // query vectors of an item, padded to a multiple of 16 for the 8-query score tiles and the value loop's 16 / ND
@@ -288,7 +325,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
       const int64_t lb0 = (first_key(start + r0, window) - k0) / 32 * 32, Lpad = (L + 31) / 32 * 32 - lb0;
       const int64_t nq = (r1 - r0) * G, nq_pad = (nq + 15) / 16 * 16;
       const float* KT = kt.data() + kt_at[c / 4 * KV + g];
-      const float* V = A.values(slot, g) + (k0 + lb0) * D;
+      const int64_t pg = c / 4 * KV + g;
+      const float* V = (vt_at[pg] >= 0 ? vt.data() + vt_at[pg] : kv.v + kv.at(slot, g, k0)) + lb0 * D;
       P.assign(nq_pad * Lpad, 0.f);
       for (int64_t j = 0; j < nq_pad; ++j) {
         const bool real = j < nq;

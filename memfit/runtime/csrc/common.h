@@ -63,14 +63,43 @@ inline void check_f32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a CPU float32 tensor");
 }
 
-// the slot caches both kernels read or write: fp32, contiguous, the same [B, KV, S, D] with D = head_dim
-inline void check_caches(const at::Tensor& kc, const at::Tensor& vc, int64_t head_dim) {
-  check_f32_cpu(kc, "k_cache");
-  check_f32_cpu(vc, "v_cache");
-  TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
-              "caches must be contiguous [B, KV, S, D], both the same");
-  TORCH_CHECK(kc.size(3) == head_dim, "head_dim mismatch");
-}
+// The KV caches the attention kernels read and rope_store writes, paged: per layer K and V [num_blocks, KV, bs, D]
+// (fp32, contiguous, the same) and a block table [slots, max_blocks] (int64): position p of the sequence in slot s
+// is row p % bs of block table[s, p / bs]. The static slot cache is the case bs = max_seq_len, table[s, 0] = s.
+// `span` checks a slot's blocks once per call; the accessors after it do not check.
+struct KvPages {
+  float *k, *v;
+  const int64_t* tab;
+  int64_t slots, MB, NB, KV, bs, D;
+  at::Tensor table;  // the contiguous int64 table the pointer reads
+
+  KvPages(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table_in, int64_t head_dim) {
+    check_f32_cpu(kc, "k_cache");
+    check_f32_cpu(vc, "v_cache");
+    TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
+                "caches must be contiguous [blocks, KV, block_size, D], both the same");
+    TORCH_CHECK(kc.size(3) == head_dim, "head_dim mismatch");
+    TORCH_CHECK(table_in.dim() == 2 && table_in.device().is_cpu(), "block table must be [slots, max_blocks] on CPU");
+    table = table_in.to(at::kLong).contiguous();
+    k = kc.data_ptr<float>(), v = vc.data_ptr<float>(), tab = table.data_ptr<int64_t>();
+    slots = table.size(0), MB = table.size(1), NB = kc.size(0), KV = kc.size(1), bs = kc.size(2), D = head_dim;
+  }
+  // positions [0, end) of `slot` are covered by valid blocks
+  void span(int64_t slot, int64_t end) const {
+    TORCH_CHECK(slot >= 0 && slot < slots, "slot out of range");
+    TORCH_CHECK(end >= 0 && end <= MB * bs, "position out of range");
+    for (int64_t b = 0; b * bs < end; ++b)
+      TORCH_CHECK(tab[slot * MB + b] >= 0 && tab[slot * MB + b] < NB, "block table entry out of range");
+  }
+  // position p of `slot` is in a valid block
+  void check(int64_t slot, int64_t p) const {
+    TORCH_CHECK(slot >= 0 && slot < slots && p >= 0 && p < MB * bs, "KV position out of range");
+    const int64_t b = tab[slot * MB + p / bs];
+    TORCH_CHECK(b >= 0 && b < NB, "block table entry out of range");
+  }
+  // element offset of (slot, KV head g, position p) in k / v
+  int64_t at(int64_t slot, int64_t g, int64_t p) const { return ((tab[slot * MB + p / bs] * KV + g) * bs + p % bs) * D; }
+};
 
 // an index tensor as n contiguous int64 values, each checked against [lo, hi)
 inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, int64_t hi, const char* name) {
@@ -87,17 +116,18 @@ constexpr int64_t kDpbf16MinRows = 8;
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
-                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions,
+                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& table, const at::Tensor& slots,
+                const at::Tensor& positions,
                 const c10::optional<at::Tensor>& q_norm, double q_eps, const c10::optional<at::Tensor>& k_norm,
                 double k_eps);
 
 // attention.cpp
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& slots,
-                            const at::Tensor& lens, double scale, int64_t window);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window);
 bool prefill_attention_fits(int64_t head_dim, int64_t keys);
 int64_t first_key(int64_t start, int64_t window);
-void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out,
-                       const std::vector<int64_t>& segs, double scale, int64_t window);
+void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+                       at::Tensor& out, const std::vector<int64_t>& segs, double scale, int64_t window);
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);

@@ -48,34 +48,34 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
 }
 
 // RoPE (HF's rotate_half form) in place on the first `rope_heads` heads of qkv [T, heads, D] (last dim
-// contiguous), then k = heads [k0, k0 + KV) and v = heads [v0, v0 + KV) are stored into the caches
-// [B, KV, S, D] at (slots[t], :, positions[t]). With q_norm / k_norm (qwen3, Gemma 3: an RMSNorm over each head,
+// contiguous), then k = heads [k0, k0 + KV) and v = heads [v0, v0 + KV) are stored into the paged caches (common.h:
+// KvPages) at (slots[t], positions[t]). With q_norm / k_norm (qwen3, Gemma 3: an RMSNorm over each head,
 // weight [D]), the query heads [0, k0) / key heads [k0, rope_heads) are normed in place before their RoPE.
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
-                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& slots, const at::Tensor& positions,
-                const c10::optional<at::Tensor>& q_norm, double q_eps, const c10::optional<at::Tensor>& k_norm,
-                double k_eps) {
+                int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& table, const at::Tensor& slots,
+                const at::Tensor& positions, const c10::optional<at::Tensor>& q_norm, double q_eps,
+                const c10::optional<at::Tensor>& k_norm, double k_eps) {
   check_f32_cpu(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "qkv must be [T, heads, D] with a contiguous last dim");
-  const int64_t T = qkv.size(0), D = qkv.size(2), KV = kc.size(1), S = kc.size(2), B = kc.size(0);
+  const int64_t T = qkv.size(0), D = qkv.size(2);
   TORCH_CHECK(D % 2 == 0, "head_dim must be even");
-  check_caches(kc, vc, D);
+  const KvPages kv(kc, vc, table, D);
+  const int64_t KV = kv.KV;
   const float* qn = head_norm(q_norm, D, "q_norm");
   const float* kn = head_norm(k_norm, D, "k_norm");
   auto c = cos.reshape({T, D}).contiguous();
   auto s = sin.reshape({T, D}).contiguous();
   check_f32_cpu(c, "cos");
   check_f32_cpu(s, "sin");
-  auto sl = checked_indices(slots, T, 0, B, "slot");
-  auto ps = checked_indices(positions, T, 0, S, "position");
+  auto sl = checked_indices(slots, T, 0, kv.slots, "slot");
+  auto ps = checked_indices(positions, T, 0, kv.MB * kv.bs, "position");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* psp = ps.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) kv.check(slp[t], psp[t]);
   float* base = qkv.data_ptr<float>();
   const int64_t st = qkv.stride(0), sh = qkv.stride(1), half = D / 2;
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
-  float* kcp = kc.data_ptr<float>();
-  float* vcp = vc.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     std::vector<float> tmp(D);
     for (int64_t t = t0; t < t1; ++t) {
@@ -91,10 +91,10 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
         }
         std::copy(tmp.begin(), tmp.end(), x);
       }
-      const int64_t off = ((slp[t] * KV) * S + psp[t]) * D;
       for (int64_t g = 0; g < KV; ++g) {
-        std::copy_n(base + t * st + (k0 + g) * sh, D, kcp + off + g * S * D);
-        std::copy_n(base + t * st + (v0 + g) * sh, D, vcp + off + g * S * D);
+        const int64_t off = kv.at(slp[t], g, psp[t]);
+        std::copy_n(base + t * st + (k0 + g) * sh, D, kv.k + off);
+        std::copy_n(base + t * st + (v0 + g) * sh, D, kv.v + off);
       }
     }
   });
@@ -115,21 +115,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = py::none(), py::arg("residual") = py::none());
   m.def("rms_norm", &memfit::rms_norm, "fused RMSNorm over the last dim (fp32)");
   m.def("rope_store", &memfit::rope_store,
-        "in-place RoPE on q/k heads (after their optional per-head RMSNorms), then k/v into the slot caches (fp32)",
+        "in-place RoPE on q/k heads (after their optional per-head RMSNorms), then k/v into the paged caches (fp32)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("rope_heads"), py::arg("k0"), py::arg("v0"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("positions"), py::arg("q_norm") = py::none(),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("slots"), py::arg("positions"),
+        py::arg("q_norm") = py::none(),
         py::arg("q_eps") = 0.0, py::arg("k_norm") = py::none(), py::arg("k_eps") = 0.0);
   m.def("int4_linear", &memfit::int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)",
         py::arg("x"), py::arg("packed"), py::arg("scale_zeros"), py::arg("group_size"), py::arg("block"),
         py::arg("act") = 0, py::arg("bf16_dot") = false);
   m.def("decode_attention", &memfit::decode_attention,
-        "one-token-per-sequence attention over the slot caches (fp32), within a sliding window unless it is 0",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
+        "one-token-per-sequence attention over the paged caches (fp32), within a sliding window unless it is 0",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
         py::arg("window") = 0);
   m.def("prefill_attention", &memfit::prefill_attention,
-        "causal attention of prefill chunks (offset, length, slot, start) over the slot caches into out (fp32), "
+        "causal attention of prefill chunks (offset, length, slot, start) over the paged caches into out (fp32), "
         "within a sliding window unless it is 0",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("segs"), py::arg("scale"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("out"), py::arg("segs"), py::arg("scale"),
         py::arg("window") = 0);
   m.def("prefill_attention_fits", &memfit::prefill_attention_fits,
         "whether prefill_attention takes this head_dim and a chunk reading this many keys (its end, or with a "

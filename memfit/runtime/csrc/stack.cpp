@@ -37,6 +37,16 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
 
 at::Tensor norm(const Norm& n, const at::Tensor& x) { return rms_norm(x, n.w, n.eps); }
 
+// a sequence's cached rows [0, end) of one layer's paged cache [blocks, KV, bs, D] as [1, KV, end, D]: a view of
+// its block where they are in one (the static cache), else gathered through the block table
+at::Tensor seq_rows(const at::Tensor& cache, const at::Tensor& table, int64_t slot, int64_t end) {
+  const int64_t bs = cache.size(2), nb = (end + bs - 1) / bs;
+  auto blocks = table.select(0, slot).narrow(0, 0, nb);
+  if (nb == 1) return cache.narrow(0, blocks.item<int64_t>(), 1).narrow(2, 0, end);
+  return cache.index_select(0, blocks).transpose(0, 1).reshape({1, cache.size(1), nb * bs, cache.size(3)})
+      .narrow(2, 0, end);
+}
+
 // One prefill chunk q [n, H, D] (positions start..) over its slot's keys [0, end) on aten's kernels, into dst (the
 // rows of out as [1, H, n, D]): where prefill_attention does not take it (head_dim, or too many keys).
 void chunk_on_aten(const at::Tensor& qp, const at::Tensor& kp, const at::Tensor& vp, at::Tensor dst, int64_t start,
@@ -97,16 +107,17 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, s
 }
 
 // attention outputs [T, H, D] of layer li's queries q [T, H, D] (RoPE applied, K/V already in the cache)
-at::Tensor LayerStack::attend(const at::Tensor& q, size_t li, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
-                              const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill) const {
+at::Tensor LayerStack::attend(const at::Tensor& q, size_t li, const at::Tensor& table, const at::Tensor& dec_tok,
+                              const at::Tensor& dec_slots, const at::Tensor& dec_len, bool all_dec,
+                              const std::vector<int64_t>& prefill) const {
   const at::Tensor& kc = kc_[li];
   const at::Tensor& vc = vc_[li];
   const int64_t window = layers_[li].window, T = q.size(0);
-  if (all_dec) return decode_attention(q, kc, vc, dec_slots, dec_len, scale_, window);
+  if (all_dec) return decode_attention(q, kc, vc, table, dec_slots, dec_len, scale_, window);
   auto out = at::empty({T, H_, D_}, q.options());
   if (dec_tok.numel() > 0)
-    out.index_copy_(0, dec_tok, decode_attention(q.index_select(0, dec_tok), kc, vc, dec_slots, dec_len, scale_,
-                                                 window));
+    out.index_copy_(0, dec_tok, decode_attention(q.index_select(0, dec_tok), kc, vc, table, dec_slots, dec_len,
+                                                 scale_, window));
   std::vector<int64_t> ours;  // the chunks prefill_attention takes, in one call (one parallel region)
   for (size_t i = 0; i < prefill.size(); i += 4) {
     const int64_t a = prefill[i], n = prefill[i + 1], slot = prefill[i + 2], start = prefill[i + 3];
@@ -116,17 +127,18 @@ at::Tensor LayerStack::attend(const at::Tensor& q, size_t li, const at::Tensor& 
       continue;
     }
     auto qp = q.narrow(0, a, n).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
-    auto kp = kc.narrow(0, slot, 1).narrow(2, 0, end);
-    auto vp = vc.narrow(0, slot, 1).narrow(2, 0, end);
+    auto kp = seq_rows(kc, table, slot, end);
+    auto vp = seq_rows(vc, table, slot, end);
     // the rows of out, as [1, H, n, D]
     chunk_on_aten(qp, kp, vp, out.narrow(0, a, n).transpose(0, 1).unsqueeze(0), start, window, scale_, KV_ != H_);
   }
-  if (!ours.empty()) prefill_attention(q, kc, vc, out, ours, scale_, window);
+  if (!ours.empty()) prefill_attention(q, kc, vc, table, out, ours, scale_, window);
   return out;
 }
 
 at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                               const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
+                               const at::Tensor& table, const at::Tensor& slots, const at::Tensor& positions,
+                               const at::Tensor& dec_tok,
                                const at::Tensor& dec_slots, const at::Tensor& dec_len, bool all_dec,
                                const std::vector<int64_t>& prefill, const at::Tensor& keep) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [T, hidden]");
@@ -141,9 +153,10 @@ at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos,
     TORCH_CHECK(ls.rope < static_cast<int64_t>(cos.size()), "no RoPE table ", ls.rope);
     auto x = norm(nm[kNormIn], h);
     auto heads = run_linear(lin[0], x).view({T, H + 2 * KV, D});
-    rope_store(heads, cos[ls.rope], sin[ls.rope], H + KV, H, H + KV, kc_[li], vc_[li], slots, positions,
+    rope_store(heads, cos[ls.rope], sin[ls.rope], H + KV, H, H + KV, kc_[li], vc_[li], table, slots, positions,
                opt(nm[kNormQ].w), nm[kNormQ].eps, opt(nm[kNormK].w), nm[kNormK].eps);
-    auto out = attend(heads.narrow(1, 0, H), li, dec_tok, dec_slots, dec_len, all_dec, prefill).view({T, H * D});
+    auto out = attend(heads.narrow(1, 0, H), li, table, dec_tok, dec_slots, dec_len, all_dec, prefill)
+                   .view({T, H * D});
     if (li + 1 == L && keep.numel() > 0) {
       // the last layer: every token's K/V is in the cache now, and only the `keep` rows (the tokens whose
       // logits the step returns) go on through o_proj and the MLP (as llama.cpp's inp_out_ids); a prefill

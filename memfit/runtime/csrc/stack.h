@@ -46,19 +46,20 @@ struct LayerSpec {
 class LayerStack {
  public:
   // per layer: 6 norms (NormSlot order; empty tensors where absent) and their eps, 4 linears (qkv, o, gate_up,
-  // down), the caches, the RoPE table index and the sliding window
+  // down), the paged caches (common.h: KvPages; the block table comes with each forward), the RoPE table index
+  // and the sliding window
   LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<int64_t> kinds,
              std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> c,
              std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
              std::vector<at::Tensor> v_cache, std::vector<int64_t> ropes, std::vector<int64_t> windows,
              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot);
   at::Tensor forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                     const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
+                     const at::Tensor& table, const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
                      const at::Tensor& dec_slots, const at::Tensor& dec_len, bool all_dec,
                      const std::vector<int64_t>& prefill, const at::Tensor& keep);
 
  private:
-  at::Tensor attend(const at::Tensor& q, size_t li, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
+  at::Tensor attend(const at::Tensor& q, size_t li, const at::Tensor& table, const at::Tensor& dec_tok, const at::Tensor& dec_slots,
                     const at::Tensor& dec_len, bool all_dec, const std::vector<int64_t>& prefill) const;
 
   std::vector<LayerSpec> layers_;

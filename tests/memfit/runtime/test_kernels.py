@@ -1,4 +1,5 @@
-"""memfit.runtime.kernels: fused CPU kernels vs the torch ops they replace, input checks, fallback."""
+"""memfit.runtime.kernels: fused CPU kernels vs the torch ops they replace, input checks, fallback. The KV-cache
+kernels run on the static slot layout and on paged layouts (blocks in shuffled order, spare blocks between)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+LAYOUTS = [None, 4, 16]  # static slots; paged in blocks of 4 and 16 positions
+
+
+def _paged(caches: list[torch.Tensor], bs: int | None, fill: float | None = None):
+    """Logical caches [B, KV, S, D] laid out as the kernels read them: (physical caches, block table). Static (bs
+    None): as they are, table[s, 0] = s. Paged: blocks of ``bs`` positions at shuffled physical ids, with spare
+    blocks of noise (or ``fill``) that no table entry names."""
+    B, KV, S, D = caches[0].shape
+    if bs is None:
+        return caches, torch.arange(B)[:, None]
+    nb = -(-S // bs)
+    table = torch.randperm(B * nb + 3)[:B * nb].view(B, nb)
+    out = []
+    for c in caches:
+        phys = torch.randn(B * nb + 3, KV, bs, D) if fill is None else torch.full((B * nb + 3, KV, bs, D), fill)
+        c = F.pad(c, (0, 0, 0, nb * bs - S))
+        phys[table.reshape(-1)] = c.view(B, KV, nb, bs, D).transpose(1, 2).reshape(B * nb, KV, bs, D)
+        out.append(phys)
+    return out, table
+
+
+def _logical(phys: torch.Tensor, table: torch.Tensor, S: int) -> torch.Tensor:
+    """The physical cache read back as [B, KV, S, D] through the block table."""
+    g = phys[table]  # [B, nb, KV, bs, D]
+    return g.transpose(1, 2).reshape(g.shape[0], g.shape[2], -1, g.shape[4])[:, :, :S]
+
+
 def test_rms_norm_matches_torch(ops):
     torch.manual_seed(0)
     for shape in [(1, 512), (3, 7, 64), (33, 100)]:
@@ -31,20 +59,22 @@ def test_rms_norm_matches_torch(ops):
     torch.testing.assert_close(ops.rms_norm(xt, w, 1e-5), F.rms_norm(xt, (64,), w, 1e-5), atol=1e-5, rtol=1e-5)
 
 
-def test_rope_store_matches_torch(ops):
+@pytest.mark.parametrize("bs", LAYOUTS)
+def test_rope_store_matches_torch(ops, bs):
     torch.manual_seed(1)
     T, H, KV, D, B, S = 5, 4, 2, 16, 3, 20
     heads = torch.randn(T, H + 2 * KV, D)
     cos, sin = torch.randn(T, 1, D), torch.randn(T, 1, D)
     slots, pos = torch.tensor([2, 0, 0, 1, 2]), torch.tensor([0, 3, 4, 19, 7])
-    kc, vc = torch.zeros(B, KV, S, D), torch.zeros(B, KV, S, D)
+    (kc, vc), table = _paged([torch.zeros(B, KV, S, D), torch.zeros(B, KV, S, D)], bs, fill=0.0)
     qk = heads[:, :H + KV]
     want = qk * cos + _rotate_half(qk) * sin
     v = heads[:, H + KV:].clone()
-    ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, pos)
+    ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, table, slots, pos)
     torch.testing.assert_close(heads[:, :H + KV], want, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(kc[slots, :, pos], want[:, H:], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(vc[slots, :, pos], v, atol=0, rtol=0)
+    kl, vl = _logical(kc, table, S), _logical(vc, table, S)
+    torch.testing.assert_close(kl[slots, :, pos], want[:, H:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(vl[slots, :, pos], v, atol=0, rtol=0)
     assert kc.abs().sum(-1).count_nonzero() == T * KV  # nothing else written
 
 
@@ -62,23 +92,26 @@ def test_rope_store_with_qk_norms_norms_each_head_first(ops):
     want = qk * cos + _rotate_half(qk) * sin
     v = heads[:, H + KV:].clone()
     kc, vc = torch.zeros(B, KV, S, D), torch.zeros(B, KV, S, D)
-    ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, pos, qw, 1e-6, kw, 1e-2)
+    table = torch.arange(B)[:, None]
+    ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, table, slots, pos, qw, 1e-6, kw, 1e-2)
     torch.testing.assert_close(heads[:, :H + KV], want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc[slots, :, pos], want[:, H:], atol=1e-5, rtol=1e-5)
     assert torch.equal(vc[slots, :, pos], v) and torch.equal(heads[:, H + KV:], v)
     with pytest.raises(RuntimeError, match="q_norm"):
-        ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, slots, pos, torch.randn(D + 1), 1e-6)
+        ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, table, slots, pos, torch.randn(D + 1), 1e-6)
 
 
+@pytest.mark.parametrize("bs", LAYOUTS)
 @pytest.mark.parametrize("H,KV,D", [(4, 4, 32), (8, 4, 32), (8, 2, 64), (6, 1, 32), (4, 2, 24)])
-def test_decode_attention_matches_sdpa(ops, H, KV, D):
+def test_decode_attention_matches_sdpa(ops, H, KV, D, bs):
     # D = 24: the scalar path (head dims that are not a multiple of 16); lengths 1, 40 and 17 leave tails
     torch.manual_seed(2)
     B, S = 4, 40
     kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    (kp, vp), table = _paged([kc, vc], bs)
     q = torch.randn(3, H + 2, D)[:, :H]  # a strided view, as the fused qkv output gives it
     slots, lens = torch.tensor([3, 0, 2]), torch.tensor([1, 40, 17])
-    out = ops.decode_attention(q, kc, vc, slots, lens, 0.3)
+    out = ops.decode_attention(q, kp, vp, table, slots, lens, 0.3)
     for i in range(3):
         s, n = int(slots[i]), int(lens[i])
         ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
@@ -92,39 +125,43 @@ def _window_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     return (j <= i) & ((j > i - window) if window else True)
 
 
+@pytest.mark.parametrize("bs", LAYOUTS)
 @pytest.mark.parametrize("window", [3, 16, 39])
 @pytest.mark.parametrize("D", [32, 24])
-def test_decode_attention_within_a_window_matches_masked_sdpa(ops, window, D):
+def test_decode_attention_within_a_window_matches_masked_sdpa(ops, window, D, bs):
     torch.manual_seed(6)
     H, KV, B, S = 4, 2, 4, 50
     kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    (kp, vp), table = _paged([kc, vc], bs)
     q = torch.randn(4, H, D)
     slots, lens = torch.tensor([3, 0, 2, 1]), torch.tensor([1, 50, 17, window])
-    out = ops.decode_attention(q, kc, vc, slots, lens, 0.3, window)
+    out = ops.decode_attention(q, kp, vp, table, slots, lens, 0.3, window)
     for i in range(4):
         s, n = int(slots[i]), int(lens[i])
         mask = _window_mask(torch.tensor([n - 1]), n, window)
         ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
                                              attn_mask=mask, scale=0.3, enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(ops.decode_attention(q, kc, vc, slots, lens, 0.3, 0), ops.decode_attention(q, kc, vc, slots,
-                                                                                                   lens, 0.3))
+    assert torch.equal(ops.decode_attention(q, kp, vp, table, slots, lens, 0.3, 0),
+                       ops.decode_attention(q, kp, vp, table, slots, lens, 0.3))
 
 
+@pytest.mark.parametrize("bs", LAYOUTS)
 @pytest.mark.parametrize("window", [0, 5, 40])
 @pytest.mark.parametrize("H,KV,D", [(8, 4, 64), (4, 4, 16), (6, 2, 32), (4, 1, 128)])
-def test_prefill_attention_matches_sdpa(ops, H, KV, D, window):
+def test_prefill_attention_matches_sdpa(ops, H, KV, D, window, bs):
     # four chunks in one call: a first chunk (start 0), a later one over a cached prefix, one of 1 row, and a long
     # one whose later row blocks' windows start past the first 32-key blocks; row counts that are not multiples
     # of the kernel's 8-row blocks; keys ending short of a 32-key block
     torch.manual_seed(3)
     B, S = 4, 80
     kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    (kp, vp), table = _paged([kc, vc], bs)
     chunks = [(0, 13, 2, 0), (13, 21, 0, 37), (34, 1, 1, 70), (35, 75, 3, 0)]  # (offset, length, slot, start)
     T = 110
     q = torch.randn(T, H + 2 * KV, D)[:, :H]  # a strided view, as the fused qkv output gives it
     out = torch.full((T + 1, H, D), 7.0)[:T]
-    ops.prefill_attention(q, kc, vc, out, [x for c in chunks for x in c], D ** -0.5, window)
+    ops.prefill_attention(q, kp, vp, table, out, [x for c in chunks for x in c], D ** -0.5, window)
     for a, n, slot, start in chunks:
         end = start + n
         mask = _window_mask(torch.arange(start, end), end, window)
@@ -135,25 +172,34 @@ def test_prefill_attention_matches_sdpa(ops, H, KV, D, window):
     assert ops.prefill_attention_fits(64, 1024) and not ops.prefill_attention_fits(64, 1025)
     assert not ops.prefill_attention_fits(24, 10) and not ops.prefill_attention_fits(96, 10)  # aten's flash then
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.prefill_attention(q, kc, vc, out, [T - 5, 10, 0, 0], 1.0)  # rows past T
+        ops.prefill_attention(q, kp, vp, table, out, [T - 5, 10, 0, 0], 1.0)  # rows past T
     k24 = torch.zeros(1, 1, 8, 24)
     with pytest.raises(RuntimeError, match="not supported"):
-        ops.prefill_attention(torch.zeros(5, 1, 24), k24, k24, torch.zeros(5, 1, 24), [0, 5, 0, 0], 1.0)
+        ops.prefill_attention(torch.zeros(5, 1, 24), k24, k24, torch.zeros(1, 1, dtype=torch.long),
+                              torch.zeros(5, 1, 24), [0, 5, 0, 0], 1.0)
 
 
 def test_kernels_refuse_bad_input(ops):
     kc = torch.zeros(2, 1, 8, 4)
     q = torch.zeros(1, 1, 4)
+    table = torch.arange(2)[:, None]
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.decode_attention(q, kc, kc, torch.tensor([2]), torch.tensor([1]), 1.0)
+        ops.decode_attention(q, kc, kc, table, torch.tensor([2]), torch.tensor([1]), 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.decode_attention(q, kc, kc, torch.tensor([0]), torch.tensor([9]), 1.0)
+        ops.decode_attention(q, kc, kc, table, torch.tensor([0]), torch.tensor([9]), 1.0)
+    paged = torch.zeros(3, 1, 4, 4)  # 3 blocks of 4 positions; a table naming block 3 is refused
+    with pytest.raises(RuntimeError, match="block table entry out of range"):
+        ops.decode_attention(q, paged, paged, torch.tensor([[0, 3]]), torch.tensor([0]), torch.tensor([6]), 1.0)
+    ops.decode_attention(q, paged, paged, torch.tensor([[0, 3]]), torch.tensor([0]), torch.tensor([4]), 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.zeros(4), 1e-6)
     heads = torch.zeros(1, 3, 4)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.rope_store(heads, torch.ones(1, 4), torch.zeros(1, 4), 2, 1, 2, kc, kc, torch.tensor([0]),
+        ops.rope_store(heads, torch.ones(1, 4), torch.zeros(1, 4), 2, 1, 2, kc, kc, table, torch.tensor([0]),
                        torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="block table entry out of range"):
+        ops.rope_store(heads, torch.ones(1, 4), torch.zeros(1, 4), 2, 1, 2, paged, paged, torch.tensor([[0, 3]]),
+                       torch.tensor([0]), torch.tensor([5]))
 
 
 def test_modes_and_a_failed_build_is_an_error_not_a_slow_fallback(monkeypatch):

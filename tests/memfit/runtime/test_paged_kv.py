@@ -1,0 +1,95 @@
+"""SlotModel on a paged KV cache (blocks of a few positions, in shuffled physical order, spare blocks between):
+the same logits as HF's forward on the C++ layer loop, the kernels' Python loop and the torch-ops loop, with
+chunks and decodes that cross block boundaries, GQA, sliding windows, a prompt past the prefill kernel's key bound,
+and two sequences sharing their first blocks (what prefix caching does)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from memfit.errors import UserError
+from memfit.runtime.slot_model import Segment, SlotModel
+
+from .conftest import check_steps, tiny_gemma3
+
+_COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               max_position_embeddings=2048, initializer_range=0.2)
+BS = 4
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gemma3":  # sliding (window 8) and full layers, 1 KV head
+        return tiny_gemma3(["sliding_attention", "sliding_attention", "full_attention"], 8, **_COMMON,
+                           num_key_value_heads=1).eval()
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, num_hidden_layers=2, num_key_value_heads=2)).eval()
+
+
+def _paged(model: torch.nn.Module, max_batch: int, max_seq_len: int, path: str, seed: int = 0) -> SlotModel:
+    """A paged SlotModel whose slots own disjoint blocks in a shuffled order (5 spare blocks no slot names).
+    ``path``: "cpp" (the C++ layer loop), "kernels" (the Python loop on memfit's kernels), "torch" (torch ops)."""
+    per = -(-max_seq_len // BS)
+    kernels = "off" if path == "torch" else "on"
+    sm = SlotModel(model, max_batch, max_seq_len, dense_kernel=kernels, cpu_kernels=kernels,
+                   num_blocks=max_batch * per + 5, block_size=BS)
+    assert sm.paged and sm.k_cache[0].shape[0] == max_batch * per + 5 and sm.k_cache[0].shape[2] == BS
+    if path == "kernels":
+        sm.stack = None
+    assert (sm.stack is not None) == (path == "cpp")
+    perm = torch.randperm(sm.num_blocks, generator=torch.Generator().manual_seed(seed))
+    sm.block_table[:] = perm[:max_batch * per].view(max_batch, per)
+    return sm
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("path", ["cpp", "kernels", "torch"])
+def test_paged_prefill_and_decode_match_hf(kind: str, path: str) -> None:
+    model = _model(kind)
+    a, b = torch.randint(3, 300, (40,)), torch.randint(3, 300, (25,))
+    with torch.no_grad():
+        ref_a, ref_b = model(a[None]).logits[0], model(b[None]).logits[0]
+    sm = _paged(model, 2, 64, path)
+    # chunks starting mid-block and past gemma's window, a mixed step, decodes of different lengths
+    check_steps(sm, {0: a, 1: b}, {0: ref_a, 1: ref_b},
+                [[(0, 0, 5, False), (1, 0, 10, True)], [(0, 5, 33, True)], [(0, 38, 1, True), (1, 10, 14, True)],
+                 [(1, 24, 1, True), (0, 39, 1, True)]])
+
+
+@pytest.mark.parametrize("path", ["cpp", "torch"])
+def test_a_shared_prefix_of_blocks_gives_the_same_logits(path: str) -> None:
+    # slot 1 names slot 0's first 3 blocks (12 positions) and prefills only its own rest, as a prefix-cache hit
+    model = _model("llama")
+    prefix, tail = torch.randint(3, 300, (12,)), torch.randint(3, 300, (9,))
+    full = torch.cat([prefix, tail])
+    with torch.no_grad():
+        ref = model(full[None]).logits[0]
+    sm = _paged(model, 2, 32, path)
+    sm.forward(torch.cat([prefix, tail[:2]]), [Segment(0, 0, 14)])  # slot 0: the whole prefix and 2 more
+    sm.block_table[1, :3] = sm.block_table[0, :3]
+    out = sm.forward(tail, [Segment(1, 12, 9)])
+    torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_chunk_past_the_prefill_kernels_key_bound_gathers_its_blocks() -> None:
+    # 1,100 keys: the C++ loop's aten path (csrc/stack.cpp: seq_rows) over the blocks of a later chunk
+    model = _model("llama")
+    ids = torch.randint(3, 300, (1100,))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    sm = _paged(model, 1, 1104, "cpp")
+    sm.forward(ids[:1000], [Segment(0, 0, 1000, want_logits=False)])
+    out = sm.forward(ids[1000:], [Segment(0, 1000, 100)])
+    torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_static_cache_is_one_block_per_slot_and_bad_sizes_are_refused() -> None:
+    sm = SlotModel(_model("llama"), 3, 40)
+    assert not sm.paged and sm.block_size == 40 and sm.num_blocks == 3
+    assert sm.block_table.tolist() == [[0], [1], [2]]
+    assert sm.bytes_per_block == 2 * 2 * 2 * 40 * 16 * 4  # K and V, 2 layers, 2 KV heads, 40 positions, D 16, fp32
+    with pytest.raises(UserError, match="both num_blocks and block_size"):
+        SlotModel(_model("llama"), 1, 40, block_size=4)
+    with pytest.raises(UserError, match="must be >= 1"):
+        SlotModel(_model("llama"), 1, 40, block_size=4, num_blocks=0)
