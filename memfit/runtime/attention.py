@@ -4,6 +4,8 @@ reference path of SlotModel; the C++ layer loop does the same in csrc/attention.
 A layer's cache is ``[blocks, kv_heads, block_size, head_dim]`` and ``ix["table"]`` maps each slot's positions to
 blocks (slot_model.py). memfit's kernels read through the table; elsewhere a paged cache's sequences are gathered
 into contiguous ``[n, kv_heads, positions, head_dim]`` first (the static cache, one block per slot, is sliced).
+An int8 cache holds each row (token, KV head) as int8 times a per-row fp32 scale (``quantize_rows``; the kernels
+do the same, csrc/common.h: KvPages); the gathered rows are widened.
 
 Decodes (1 token each) are attended as one padded batch, prefill chunks one by one. memfit's kernels run
 where they apply (CPU, fp32); torch's SDPA everywhere else. Sliding-window layers (Gemma 2/3, Qwen2 windows)
@@ -34,12 +36,23 @@ class StepLayout:
     paged: bool = False  # the cache has several blocks per slot (else block_table[s, 0] == s)
 
 
-def _rows(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows [..., D] as int8 [..., D] and fp32 scales [...]: symmetric per row, scale = max|x| / 127."""
+    amax = x.abs().amax(-1).float()
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x.float() * inv[..., None]).to(torch.int8), amax / 127.0
+
+
+def _rows(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, end: int,
+          scale: torch.Tensor | None = None) -> torch.Tensor:
     """The cached positions [0, end) of the sequences in ``slots`` as [len(slots), KV, end, D], gathered through
-    the block table."""
+    the block table (int8 rows times their ``scale``)."""
     bs = cache.shape[2]
     nb = -(-end // bs)
-    g = cache[table[slots, :nb]]  # [n, nb, KV, bs, D]
+    blocks = table[slots, :nb]
+    g = cache[blocks]  # [n, nb, KV, bs, D]
+    if scale is not None:
+        g = g.float() * scale[blocks][..., None]
     return g.transpose(1, 2).reshape(g.shape[0], g.shape[2], nb * bs, g.shape[4])[:, :, :end]
 
 
@@ -68,17 +81,18 @@ def _window_mask(q_pos: torch.Tensor, lo: int, hi: int, window: int) -> torch.Te
 
 
 def _decodes(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay: StepLayout, ops, scale: float,
-             window: int | None) -> torch.Tensor:
+             window: int | None, ks: torch.Tensor | None, vs: torch.Tensor | None) -> torch.Tensor:
     """[n decodes, H, D] attention outputs of the step's decodes."""
     H, KV = q.shape[1], kc.shape[1]
     qd = q if lay.all_dec else q[ix["dec_tok"]]
     dec_max = lay.dec_max
     windowed = window is not None and dec_max > window
     if ops is not None and not windowed:
-        return ops.decode_attention(qd, kc, vc, ix["table"], ix["dec_slots"], ix["dec_len"], scale)
+        return ops.decode_attention(qd, kc, vc, ix["table"], ix["dec_slots"], ix["dec_len"], scale, k_scale=ks,
+                                    v_scale=vs)
     lo = max(0, min(lay.dec_lens) - window) if windowed else 0  # keys before lo are outside every window
-    if lay.paged:
-        kd, vd = (_rows(c, ix["table"], ix["dec_slots"], dec_max)[:, :, lo:] for c in (kc, vc))
+    if lay.paged or ks is not None:
+        kd, vd = (_rows(c, ix["table"], ix["dec_slots"], dec_max, sc)[:, :, lo:] for c, sc in ((kc, ks), (vc, vs)))
     elif lay.contiguous:
         a = lay.dec_slots[0]
         kd, vd = kc[a:a + len(lay.dec_slots), :, lo:dec_max], vc[a:a + len(lay.dec_slots), :, lo:dec_max]
@@ -94,14 +108,15 @@ def _decodes(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay:
 
 
 def _chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: int, start: int, scale: float,
-           window: int | None, table: torch.Tensor | None = None) -> torch.Tensor:
+           window: int | None, table: torch.Tensor | None = None, ks: torch.Tensor | None = None,
+           vs: torch.Tensor | None = None) -> torch.Tensor:
     """[n, H, D] attention of one prefill chunk q [n, H, D] at positions start.. over its slot's cache (with
-    ``table``: paged, its rows gathered first)."""
+    ``table``: paged or int8, its rows gathered first)."""
     n, H = q.shape[0], q.shape[1]
     end = start + n
     if table is not None:
         slots = torch.tensor([slot], device=table.device)
-        kc, vc, slot = _rows(kc, table, slots, end), _rows(vc, table, slots, end), 0
+        kc, vc, slot = _rows(kc, table, slots, end, ks), _rows(vc, table, slots, end, vs), 0
     gqa = kc.shape[1] != H
     qp = q.transpose(0, 1)[None]  # [1, H, n, D]
     if window is not None and end > window:
@@ -122,14 +137,15 @@ def _chunk(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: int, start
 
 
 def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay: StepLayout, ops, scale: float,
-           window: int | None = None) -> torch.Tensor:
-    """Attention outputs [T, H, D] of a step's queries q [T, H, D] (RoPE applied, K/V already in the cache)."""
+           window: int | None = None, ks: torch.Tensor | None = None, vs: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention outputs [T, H, D] of a step's queries q [T, H, D] (RoPE applied, K/V already in the cache; ``ks``,
+    ``vs``: an int8 cache's scales)."""
     T, H, D = q.shape
     if lay.dec_idx and lay.all_dec:
-        return _decodes(q, kc, vc, ix, lay, ops, scale, window)
+        return _decodes(q, kc, vc, ix, lay, ops, scale, window, ks, vs)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if lay.dec_idx:
-        out[ix["dec_tok"]] = _decodes(q, kc, vc, ix, lay, ops, scale, window)
+        out[ix["dec_tok"]] = _decodes(q, kc, vc, ix, lay, ops, scale, window, ks, vs)
     ours: list[int] = []  # chunks for the kernels' prefill attention (as csrc/stack.cpp does)
     for i, s in lay.pre:
         a, n = lay.offsets[i], s.length
@@ -137,7 +153,9 @@ def attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ix: dict, lay: S
         if ops is not None and ops.prefill_attention_fits(D, end) and (window is None or end <= window):
             ours += [a, n, s.slot, s.start]
             continue
-        out[a:a + n] = _chunk(q[a:a + n], kc, vc, s.slot, s.start, scale, window, ix["table"] if lay.paged else None)
+        gather = lay.paged or ks is not None
+        out[a:a + n] = _chunk(q[a:a + n], kc, vc, s.slot, s.start, scale, window, ix["table"] if gather else None,
+                              ks, vs)
     if ours:
-        ops.prefill_attention(q, kc, vc, ix["table"], out, ours, scale)
+        ops.prefill_attention(q, kc, vc, ix["table"], out, ours, scale, k_scale=ks, v_scale=vs)
     return out

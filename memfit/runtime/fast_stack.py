@@ -1,7 +1,7 @@
 """SlotModel's decoder layers as one C++ call (memfit.runtime.kernels' ``LayerStack``, csrc/stack.cpp).
 
-Used when every layer is on the fast path already: CPU, fp32 activations and KV cache, no offload hooks or
-tensor-parallel shards, static RoPE, fused q/k/v, RMSNorms that SlotModel runs as one fused op
+Used when every layer is on the fast path already: CPU, fp32 activations, an fp32 or int8 KV cache, no offload
+hooks or tensor-parallel shards, static RoPE, fused q/k/v, RMSNorms that SlotModel runs as one fused op
 (``rms_norm_weight``: Llama's w, Gemma's 1 + w; an eps per norm), the MLP as gate/up pairs with its activation
 (SiLU or GELU-tanh) in the GEMM's epilogue, and every projection on memfit.runtime.kernels' panel (fp32 or int8)
 or int4 kernels with unpadded outputs. What the layers may have beyond Llama's: q/k norms per head (qwen3,
@@ -54,7 +54,7 @@ def build(sm) -> object | None:
     if ops is None or not hasattr(ops, "LayerStack") or not sm.rope.static or sm.prefetch.enabled:
         return None
     if sm.dtype != torch.float32 or any(d.type != "cpu" for d in sm.layer_devices) or \
-            any(k.dtype != torch.float32 for k in sm.k_cache):
+            any(k.dtype not in (torch.float32, torch.int8) for k in sm.k_cache):
         return None
     table = {kind: i for i, kind in enumerate(sm.rope.kinds)}  # SlotModel passes the tables in this order
     cols: dict[str, list] = {k: [] for k in ("norms", "eps", "kinds", "a", "b", "c", "groups", "blocks")}
@@ -80,5 +80,6 @@ def build(sm) -> object | None:
     ropes = [table[k] for k in sm.rope.layer_kinds]
     windows = [w or 0 for w in sm.windows]
     return ops.LayerStack(cols["norms"], cols["eps"], cols["kinds"], cols["a"], cols["b"], cols["c"], cols["groups"],
-                          cols["blocks"], sm.k_cache, sm.v_cache, ropes, windows, sm.num_heads, sm.num_kv,
+                          cols["blocks"], sm.k_cache, sm.v_cache, [NONE if s is None else s for s in sm.k_scale],
+                          [NONE if s is None else s for s in sm.v_scale], ropes, windows, sm.num_heads, sm.num_kv,
                           sm.head_dim, float(sm.scale), sm.bf16_dot)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from memfit.errors import UserError
 from memfit.runtime import kernels
-from memfit.runtime.attention import StepLayout, attend
+from memfit.runtime.attention import StepLayout, attend, quantize_rows
 from memfit.runtime.dense import pack_linears
 from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
@@ -168,6 +168,10 @@ class SlotModel:
         shape = (self.num_blocks, self.num_kv, self.block_size, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
+        # int8 KV (cache_dtype=torch.int8): a scale per (block, KV head, row), attention.quantize_rows says how
+        self.kv_int8 = cdt == torch.int8
+        self.k_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
+        self.v_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
         self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
             else self.head_dim ** -0.5
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
@@ -229,13 +233,15 @@ class SlotModel:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (a position of every layer, times block_size)."""
-        return sum(2 * k[0].numel() * k.element_size() for k in self.k_cache)
+        """K and V bytes of one block over all layers (a position of every layer, times block_size), int8's scales
+        included."""
+        return sum(self.cache_bytes_per_device().values()) // self.num_blocks
 
     def cache_bytes_per_device(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for k in self.k_cache:
-            out[str(k.device)] = out.get(str(k.device), 0) + 2 * k.numel() * k.element_size()
+        for k, s in zip(self.k_cache, self.k_scale, strict=True):
+            n = k.numel() * k.element_size() + (s.numel() * s.element_size() if s is not None else 0)
+            out[str(k.device)] = out.get(str(k.device), 0) + 2 * n
         return out
 
     @torch.inference_mode()
@@ -334,9 +340,10 @@ class SlotModel:
             if prefetch:
                 self.prefetch.begin(li)
             attn = layer.self_attn
-            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc, vc, ks, vs = self.k_cache[li], self.v_cache[li], self.k_scale[li], self.v_scale[li]
             cos, sin = ix[f"cos:{self.rope.layer_kinds[li]}"], ix[f"sin:{self.rope.layer_kinds[li]}"]
-            ops = self.ops if dev.type == "cpu" and kc.dtype == h.dtype == torch.float32 else None
+            ops = self.ops if dev.type == "cpu" and h.dtype == torch.float32 and \
+                kc.dtype in (torch.float32, torch.int8) else None
             x = self._rms_norm(layer.input_layernorm, h, ops)
             qk_norm = hasattr(attn, "q_norm")  # qwen3, gemma3
             fused = self.qkv[li] is not None
@@ -355,7 +362,8 @@ class SlotModel:
             if ops is not None:
                 # one kernel: RoPE in place on the q and k heads of [T, H + 2 KV, D], then k and v into the cache
                 heads = qkv.view(T, H + 2 * KV, D) if fused and not qk_norm else torch.cat((q, k, v), dim=1)
-                ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, ix["table"], ix["slots"], ix["positions"])
+                ops.rope_store(heads, cos, sin, H + KV, H, H + KV, kc, vc, ix["table"], ix["slots"], ix["positions"],
+                               k_scale=ks, v_scale=vs)
                 q = heads[:, :H]
             else:
                 # RoPE once over query and key heads: in the fused output they are adjacent columns (one view,
@@ -363,9 +371,11 @@ class SlotModel:
                 qk = qkv[:, :(H + KV) * D].view(T, H + KV, D) if fused and not qk_norm else torch.cat((q, k), dim=1)
                 qk = qk * cos + _rotate_half(qk) * sin
                 q, k = qk[:, :H], qk[:, H:]
-                kc[ix["blk"], :, ix["off"]] = k if k.dtype == kc.dtype else k.to(kc.dtype)
-                vc[ix["blk"], :, ix["off"]] = v if v.dtype == vc.dtype else v.to(vc.dtype)
-            out = attend(q, kc, vc, ix, lay, ops, self.scale, self.windows[li]).reshape(1, T, H * D)
+                for c, sc, x in ((kc, ks, k), (vc, vs, v)):
+                    if sc is not None:
+                        x, sc[ix["blk"], :, ix["off"]] = quantize_rows(x)
+                    c[ix["blk"], :, ix["off"]] = x if x.dtype == c.dtype else x.to(c.dtype)
+            out = attend(q, kc, vc, ix, lay, ops, self.scale, self.windows[li], ks, vs).reshape(1, T, H * D)
             if li == len(self.layers) - 1 and keep.numel():  # the last layer: only the wanted rows go on
                 kd = keep.to(dev)
                 out, h = out[:, kd], h[:, kd]

@@ -39,9 +39,12 @@ inline void softmax_row(float* p, int64_t L) {
   for (int64_t i = 0; i < L; ++i) p[i] *= inv;
 }
 
-// a run of consecutive key / value rows of one (sequence, KV head): one block's part of its positions
+// a run of consecutive key / value rows of one (sequence, KV head): one block's part of its positions; fp32 rows
+// (K, V) or int8 rows (K8, V8) with a scale per row (ks, vs)
 struct Span {
   const float *K, *V;
+  const int8_t *K8, *V8;
+  const float *ks, *vs;
   int64_t n;
 };
 
@@ -50,9 +53,23 @@ void spans_of(const KvPages& kv, int64_t slot, int64_t g, int64_t lo, int64_t le
   out.clear();
   for (int64_t p = lo; p < len;) {
     const int64_t n = std::min(len, (p / kv.bs + 1) * kv.bs) - p, off = kv.at(slot, g, p);
-    out.push_back({kv.k + off, kv.v + off, n});
+    if (kv.q8)
+      out.push_back({nullptr, nullptr, kv.k8 + off, kv.v8 + off, kv.ks + off / kv.D, kv.vs + off / kv.D, n});
+    else
+      out.push_back({kv.k + off, kv.v + off, nullptr, nullptr, nullptr, nullptr, n});
     p += n;
   }
+}
+
+typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));  // 16 int8 lanes, unaligned
+
+// 16 values of a row from d (fp32, or int8 widened: its scale is applied per row by the caller)
+template <bool Q8>
+inline v16 row16(const float* f, const int8_t* q, int64_t d) {
+  if constexpr (Q8)
+    return __builtin_convertvector(*reinterpret_cast<const v16i8*>(q + d), v16);
+  else
+    return *reinterpret_cast<const v16u*>(f + d);
 }
 
 // one (sequence, KV head) work item with D a multiple of 16, over its L rows in spans: the G query rows' 16-float
@@ -60,6 +77,8 @@ void spans_of(const KvPages& kv, int64_t slot, int64_t g, int64_t lo, int64_t le
 // lanes at a time (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions,
 // cold caches: ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory
 // bandwidth)
+// int8 rows are widened 16 lanes at a time; the key's scale multiplies its score, the value's its probability.
+template <bool Q8>
 void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
                 float* const* outs, std::vector<float>& p, std::vector<v16>& acc) {
   const int64_t nd = D / 16;
@@ -68,23 +87,27 @@ void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t 
   int64_t l = 0;
   for (const Span& sp : spans)
     for (int64_t i = 0; i < sp.n; ++i, ++l) {
-      const v16u* kr = reinterpret_cast<const v16u*>(sp.K + i * D);
+      const float* kf = Q8 ? nullptr : sp.K + i * D;
+      const int8_t* kq = Q8 ? sp.K8 + i * D : nullptr;
+      const float ksc = Q8 ? sp.ks[i] * sc : sc;
       for (int64_t j = 0; j < G; ++j) {
         const v16u* qr = reinterpret_cast<const v16u*>(qs[j]);
-        v16 a = qr[0] * kr[0];
-        for (int64_t d = 1; d < nd; ++d) a += qr[d] * kr[d];
-        p[j * L + l] = hsum(a) * sc;
+        v16 a = qr[0] * row16<Q8>(kf, kq, 0);
+        for (int64_t d = 1; d < nd; ++d) a += qr[d] * row16<Q8>(kf, kq, d * 16);
+        p[j * L + l] = hsum(a) * ksc;
       }
     }
   for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
   l = 0;
   for (const Span& sp : spans)
     for (int64_t i = 0; i < sp.n; ++i, ++l) {
-      const v16u* vr = reinterpret_cast<const v16u*>(sp.V + i * D);
+      const float* vf = Q8 ? nullptr : sp.V + i * D;
+      const int8_t* vq = Q8 ? sp.V8 + i * D : nullptr;
+      const float vsc = Q8 ? sp.vs[i] : 1.f;
       for (int64_t j = 0; j < G; ++j) {
-        const float pl = p[j * L + l];
+        const float pl = p[j * L + l] * vsc;
         v16* o = acc.data() + j * nd;
-        for (int64_t d = 0; d < nd; ++d) o[d] += pl * vr[d];
+        for (int64_t d = 0; d < nd; ++d) o[d] += pl * row16<Q8>(vf, vq, d * 16);
       }
     }
   for (int64_t j = 0; j < G; ++j)
@@ -94,13 +117,16 @@ void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t 
 // the same for any D, one element at a time
 void attend_scalar(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
                    float* const* outs, std::vector<float>& p) {
+  auto elem = [D](const float* f, const int8_t* q, const float* s, int64_t i, int64_t d) {
+    return f ? f[i * D + d] : static_cast<float>(q[i * D + d]) * s[i];
+  };
   p.resize(G * L);
   int64_t l = 0;
   for (const Span& sp : spans)
     for (int64_t i = 0; i < sp.n; ++i, ++l)
       for (int64_t j = 0; j < G; ++j) {
         float a = 0.f;
-        for (int64_t d = 0; d < D; ++d) a += qs[j][d] * sp.K[i * D + d];
+        for (int64_t d = 0; d < D; ++d) a += qs[j][d] * elem(sp.K, sp.K8, sp.ks, i, d);
         p[j * L + l] = a * sc;
       }
   for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
@@ -109,7 +135,7 @@ void attend_scalar(const float* const* qs, const std::vector<Span>& spans, int64
   for (const Span& sp : spans)
     for (int64_t i = 0; i < sp.n; ++i, ++l)
       for (int64_t j = 0; j < G; ++j)
-        for (int64_t d = 0; d < D; ++d) outs[j][d] += p[j * L + l] * sp.V[i * D + d];
+        for (int64_t d = 0; d < D; ++d) outs[j][d] += p[j * L + l] * elem(sp.V, sp.V8, sp.vs, i, d);
 }
 
 // What the two attention kernels share: the checks on q [rows, H, D] (last dim contiguous, e.g. the query heads of
@@ -121,8 +147,9 @@ struct AttnArgs {
   const float* qp;
   int64_t sq0, sq1;
 
-  AttnArgs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table, double scale)
-      : kv(kc, vc, table, q.size(-1)) {
+  AttnArgs(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table, double scale,
+           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale)
+      : kv(kc, vc, table, q.size(-1), k_scale, v_scale) {
     check_f32_cpu(q, "q");
     TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, H, D] with a contiguous last dim");
     rows = q.size(0), H = q.size(1), D = q.size(2), KV = kv.KV;
@@ -142,8 +169,9 @@ struct AttnArgs {
 // <= p) and 0 without one (window 0). q [n, H, D] (last dim contiguous), paged caches (KvPages); G = H / KV query
 // heads share a KV head, so each key and value row is loaded once for the G of them.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
-                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window) {
-  const AttnArgs A(q, kc, vc, table, scale);
+                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+  const AttnArgs A(q, kc, vc, table, scale, k_scale, v_scale);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const int64_t n = A.rows, H = A.H, D = A.D, KV = A.KV, G = A.G;
   auto sl = checked_indices(slots, n, 0, A.kv.slots, "slot");
@@ -167,8 +195,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
         qs[j] = A.query(i, g * G + j);
         outs[j] = op + (i * H + g * G + j) * D;
       }
-      if (D % 16 == 0)
-        attend_vec(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
+      if (D % 16 == 0 && A.kv.q8)
+        attend_vec<true>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
+      else if (D % 16 == 0)
+        attend_vec<false>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
       else
         attend_scalar(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p);
     }
@@ -257,8 +287,9 @@ int64_t first_key(int64_t start, int64_t window) { return window > 0 ? std::max<
 // paged caches already (rope_store). q [T, H, D] (last dim contiguous), out [T, H, D] contiguous; rows of no chunk
 // are left as they are.
 void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
-                       at::Tensor& out, const std::vector<int64_t>& segs, double scale, int64_t window) {
-  const AttnArgs A(q, kc, vc, table, scale);
+                       at::Tensor& out, const std::vector<int64_t>& segs, double scale, int64_t window,
+                       const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+  const AttnArgs A(q, kc, vc, table, scale, k_scale, v_scale);
   const KvPages& kv = A.kv;
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   check_f32_cpu(out, "out");
@@ -275,8 +306,9 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
     kv.span(slot, start + n);
     const int64_t k0 = first_key(start, window), keys = start + n - k0;
     TORCH_CHECK(prefill_attention_fits(D, keys), "prefill_attention: head_dim or length not supported");
-    // values inside one block are read in place (the static cache's case); across blocks, gathered once
-    const bool gather = k0 / kv.bs != (start + n - 1) / kv.bs;
+    // fp32 values inside one block are read in place (the static cache's case); across blocks, or int8, gathered
+    // (and widened) once
+    const bool gather = kv.q8 || k0 / kv.bs != (start + n - 1) / kv.bs;
     for (int64_t g = 0; g < KV; ++g) {
       kt_at.push_back(kt_size);
       kt_size += (keys + 31) / 32 * 32 * D;
@@ -296,17 +328,22 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
       const int64_t c = p / KV * 4, g = p % KV, slot = segs[c + 2], k0 = first_key(segs[c + 3], window);
       const int64_t L = segs[c + 3] + segs[c + 1] - k0;
       float* dst = kt.data() + kt_at[p];
+      std::vector<float> row(D);
       for (int64_t lb = 0; lb < (L + 31) / 32 * 32; lb += 16, dst += 16 * D)
         for (int64_t i = 0; i < 16; ++i) {
           if (lb + i >= L) {
             for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = 0.f;
             continue;
           }
-          const float* K = kv.k + kv.at(slot, g, k0 + lb + i);
+          const float* K = row.data();
+          if (kv.q8)
+            kv.load(false, kv.at(slot, g, k0 + lb + i), row.data());
+          else
+            K = kv.k + kv.at(slot, g, k0 + lb + i);
           for (int64_t d = 0; d < D; ++d) dst[d * 16 + i] = K[d];
         }
       if (vt_at[p] >= 0)
-        for (int64_t l = 0; l < L; ++l) std::copy_n(kv.v + kv.at(slot, g, k0 + l), D, vt.data() + vt_at[p] + l * D);
+        for (int64_t l = 0; l < L; ++l) kv.load(true, kv.at(slot, g, k0 + l), vt.data() + vt_at[p] + l * D);
     }
   });
   // query vectors of an item, padded to a multiple of 16 for the 8-query score tiles and the value loop's 16 / ND

@@ -64,24 +64,45 @@ inline void check_f32_cpu(const at::Tensor& t, const char* name) {
 }
 
 // The KV caches the attention kernels read and rope_store writes, paged: per layer K and V [num_blocks, KV, bs, D]
-// (fp32, contiguous, the same) and a block table [slots, max_blocks] (int64): position p of the sequence in slot s
-// is row p % bs of block table[s, p / bs]. The static slot cache is the case bs = max_seq_len, table[s, 0] = s.
-// `span` checks a slot's blocks once per call; the accessors after it do not check.
+// (contiguous, the same) and a block table [slots, max_blocks] (int64): position p of the sequence in slot s is
+// row p % bs of block table[s, p / bs]. The static slot cache is the case bs = max_seq_len, table[s, 0] = s.
+// The caches are fp32, or int8 with a scale per (block, KV head, row) ([num_blocks, KV, bs] fp32): a row is
+// q * scale, q = round(x / scale), scale = max|x| / 127 (symmetric, per token and head, as llama.cpp's q8_0 KV
+// per 32 values and vLLM's per-token-head int8 KV). `span` / `check` check a slot's blocks once per call; the
+// accessors after them do not.
 struct KvPages {
-  float *k, *v;
+  float *k = nullptr, *v = nullptr;     // fp32 caches
+  int8_t *k8 = nullptr, *v8 = nullptr;  // int8 caches
+  float *ks = nullptr, *vs = nullptr;   // and their scales: row offset `at` has scale ks[at / D]
   const int64_t* tab;
   int64_t slots, MB, NB, KV, bs, D;
+  bool q8;
   at::Tensor table;  // the contiguous int64 table the pointer reads
 
-  KvPages(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table_in, int64_t head_dim) {
-    check_f32_cpu(kc, "k_cache");
-    check_f32_cpu(vc, "v_cache");
-    TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
-                "caches must be contiguous [blocks, KV, block_size, D], both the same");
+  KvPages(const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table_in, int64_t head_dim,
+          const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+          const c10::optional<at::Tensor>& v_scale = c10::nullopt) {
+    TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes() &&
+                    kc.device().is_cpu() && vc.device().is_cpu() && kc.scalar_type() == vc.scalar_type(),
+                "caches must be contiguous CPU [blocks, KV, block_size, D], both the same");
     TORCH_CHECK(kc.size(3) == head_dim, "head_dim mismatch");
     TORCH_CHECK(table_in.dim() == 2 && table_in.device().is_cpu(), "block table must be [slots, max_blocks] on CPU");
+    q8 = kc.scalar_type() == at::kChar;
+    TORCH_CHECK(q8 || kc.scalar_type() == at::kFloat, "caches must be float32 or int8");
+    const bool scales = k_scale.has_value() && k_scale->defined() && v_scale.has_value() && v_scale->defined();
+    TORCH_CHECK(scales == q8, "int8 caches need k_scale and v_scale (and fp32 caches none)");
+    if (q8) {
+      for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+        check_f32_cpu(*t, "kv scale");
+        TORCH_CHECK(t->is_contiguous() && t->sizes() == kc.sizes().slice(0, 3), "scales must be [blocks, KV, bs]");
+      }
+      k8 = kc.data_ptr<int8_t>(), v8 = vc.data_ptr<int8_t>();
+      ks = k_scale->data_ptr<float>(), vs = v_scale->data_ptr<float>();
+    } else {
+      k = kc.data_ptr<float>(), v = vc.data_ptr<float>();
+    }
     table = table_in.to(at::kLong).contiguous();
-    k = kc.data_ptr<float>(), v = vc.data_ptr<float>(), tab = table.data_ptr<int64_t>();
+    tab = table.data_ptr<int64_t>();
     slots = table.size(0), MB = table.size(1), NB = kc.size(0), KV = kc.size(1), bs = kc.size(2), D = head_dim;
   }
   // positions [0, end) of `slot` are covered by valid blocks
@@ -97,8 +118,31 @@ struct KvPages {
     const int64_t b = tab[slot * MB + p / bs];
     TORCH_CHECK(b >= 0 && b < NB, "block table entry out of range");
   }
-  // element offset of (slot, KV head g, position p) in k / v
+  // element offset of (slot, KV head g, position p) in the caches
   int64_t at(int64_t slot, int64_t g, int64_t p) const { return ((tab[slot * MB + p / bs] * KV + g) * bs + p % bs) * D; }
+  // write one row (D floats) of K or V at offset `off` (int8: quantized, with its scale)
+  void store(bool value, int64_t off, const float* x) const {
+    if (!q8) {
+      std::copy_n(x, D, (value ? v : k) + off);
+      return;
+    }
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* dst = (value ? v8 : k8) + off;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(x[d] * inv));
+    (value ? vs : ks)[off / D] = sc;
+  }
+  // read one row of K or V at offset `off` as D floats
+  void load(bool value, int64_t off, float* y) const {
+    if (!q8) {
+      std::copy_n((value ? v : k) + off, D, y);
+      return;
+    }
+    const int8_t* src = (value ? v8 : k8) + off;
+    const float sc = (value ? vs : ks)[off / D];
+    for (int64_t d = 0; d < D; ++d) y[d] = static_cast<float>(src[d]) * sc;
+  }
 };
 
 // an index tensor as n contiguous int64 values, each checked against [lo, hi)
@@ -119,15 +163,17 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
                 int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& table, const at::Tensor& slots,
                 const at::Tensor& positions,
                 const c10::optional<at::Tensor>& q_norm, double q_eps, const c10::optional<at::Tensor>& k_norm,
-                double k_eps);
+                double k_eps, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 
 // attention.cpp
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
-                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window);
+                            const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 bool prefill_attention_fits(int64_t head_dim, int64_t keys);
 int64_t first_key(int64_t start, int64_t window);
 void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
-                       at::Tensor& out, const std::vector<int64_t>& segs, double scale, int64_t window);
+                       at::Tensor& out, const std::vector<int64_t>& segs, double scale, int64_t window,
+                       const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);

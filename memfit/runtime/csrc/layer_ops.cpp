@@ -49,17 +49,18 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
 
 // RoPE (HF's rotate_half form) in place on the first `rope_heads` heads of qkv [T, heads, D] (last dim
 // contiguous), then k = heads [k0, k0 + KV) and v = heads [v0, v0 + KV) are stored into the paged caches (common.h:
-// KvPages) at (slots[t], positions[t]). With q_norm / k_norm (qwen3, Gemma 3: an RMSNorm over each head,
+// KvPages; int8 ones quantized per row into their scales) at (slots[t], positions[t]). With q_norm / k_norm (qwen3, Gemma 3: an RMSNorm over each head,
 // weight [D]), the query heads [0, k0) / key heads [k0, rope_heads) are normed in place before their RoPE.
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
                 int64_t v0, at::Tensor& kc, at::Tensor& vc, const at::Tensor& table, const at::Tensor& slots,
                 const at::Tensor& positions, const c10::optional<at::Tensor>& q_norm, double q_eps,
-                const c10::optional<at::Tensor>& k_norm, double k_eps) {
+                const c10::optional<at::Tensor>& k_norm, double k_eps, const c10::optional<at::Tensor>& k_scale,
+                const c10::optional<at::Tensor>& v_scale) {
   check_f32_cpu(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "qkv must be [T, heads, D] with a contiguous last dim");
   const int64_t T = qkv.size(0), D = qkv.size(2);
   TORCH_CHECK(D % 2 == 0, "head_dim must be even");
-  const KvPages kv(kc, vc, table, D);
+  const KvPages kv(kc, vc, table, D, k_scale, v_scale);
   const int64_t KV = kv.KV;
   const float* qn = head_norm(q_norm, D, "q_norm");
   const float* kn = head_norm(k_norm, D, "k_norm");
@@ -93,8 +94,8 @@ void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, i
       }
       for (int64_t g = 0; g < KV; ++g) {
         const int64_t off = kv.at(slp[t], g, psp[t]);
-        std::copy_n(base + t * st + (k0 + g) * sh, D, kv.k + off);
-        std::copy_n(base + t * st + (v0 + g) * sh, D, kv.v + off);
+        kv.store(false, off, base + t * st + (k0 + g) * sh);
+        kv.store(true, off, base + t * st + (v0 + g) * sh);
       }
     }
   });
@@ -118,20 +119,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in-place RoPE on q/k heads (after their optional per-head RMSNorms), then k/v into the paged caches (fp32)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("rope_heads"), py::arg("k0"), py::arg("v0"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("slots"), py::arg("positions"),
-        py::arg("q_norm") = py::none(),
-        py::arg("q_eps") = 0.0, py::arg("k_norm") = py::none(), py::arg("k_eps") = 0.0);
+        py::arg("q_norm") = py::none(), py::arg("q_eps") = 0.0, py::arg("k_norm") = py::none(), py::arg("k_eps") = 0.0,
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("int4_linear", &memfit::int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)",
         py::arg("x"), py::arg("packed"), py::arg("scale_zeros"), py::arg("group_size"), py::arg("block"),
         py::arg("act") = 0, py::arg("bf16_dot") = false);
   m.def("decode_attention", &memfit::decode_attention,
         "one-token-per-sequence attention over the paged caches (fp32), within a sliding window unless it is 0",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("prefill_attention", &memfit::prefill_attention,
         "causal attention of prefill chunks (offset, length, slot, start) over the paged caches into out (fp32), "
         "within a sliding window unless it is 0",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("out"), py::arg("segs"), py::arg("scale"),
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("prefill_attention_fits", &memfit::prefill_attention_fits,
         "whether prefill_attention takes this head_dim and a chunk reading this many keys (its end, or with a "
         "window its end less the keys before its first row's window; else aten's flash kernel)");

@@ -37,14 +37,17 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
 
 at::Tensor norm(const Norm& n, const at::Tensor& x) { return rms_norm(x, n.w, n.eps); }
 
-// a sequence's cached rows [0, end) of one layer's paged cache [blocks, KV, bs, D] as [1, KV, end, D]: a view of
-// its block where they are in one (the static cache), else gathered through the block table
-at::Tensor seq_rows(const at::Tensor& cache, const at::Tensor& table, int64_t slot, int64_t end) {
+// a sequence's cached rows [0, end) of one layer's paged cache [blocks, KV, bs, D] as fp32 [1, KV, end, D]: a view
+// of its block where they are in one (the static fp32 cache), else gathered through the block table (int8 rows
+// widened and scaled)
+at::Tensor seq_rows(const at::Tensor& cache, const c10::optional<at::Tensor>& scale, const at::Tensor& table,
+                    int64_t slot, int64_t end) {
   const int64_t bs = cache.size(2), nb = (end + bs - 1) / bs;
   auto blocks = table.select(0, slot).narrow(0, 0, nb);
-  if (nb == 1) return cache.narrow(0, blocks.item<int64_t>(), 1).narrow(2, 0, end);
-  return cache.index_select(0, blocks).transpose(0, 1).reshape({1, cache.size(1), nb * bs, cache.size(3)})
-      .narrow(2, 0, end);
+  if (nb == 1 && !scale) return cache.narrow(0, blocks.item<int64_t>(), 1).narrow(2, 0, end);
+  auto rows = cache.index_select(0, blocks);  // [nb, KV, bs, D]
+  if (scale) rows = rows.to(at::kFloat) * scale->index_select(0, blocks).unsqueeze(-1);
+  return rows.transpose(0, 1).reshape({1, cache.size(1), nb * bs, cache.size(3)}).narrow(2, 0, end);
 }
 
 // One prefill chunk q [n, H, D] (positions start..) over its slot's keys [0, end) on aten's kernels, into dst (the
@@ -81,10 +84,16 @@ void chunk_on_aten(const at::Tensor& qp, const at::Tensor& kp, const at::Tensor&
 LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<int64_t> kinds,
                        std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> c,
                        std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
-                       std::vector<at::Tensor> v_cache, std::vector<int64_t> ropes, std::vector<int64_t> windows,
+                       std::vector<at::Tensor> v_cache, std::vector<at::Tensor> k_scale,
+                       std::vector<at::Tensor> v_scale, std::vector<int64_t> ropes, std::vector<int64_t> windows,
                        int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot)
     : kc_(std::move(k_cache)), vc_(std::move(v_cache)), H_(heads), KV_(kv_heads), D_(head_dim), scale_(scale) {
   const size_t L = kc_.size();
+  TORCH_CHECK(k_scale.size() == L && v_scale.size() == L, "LayerStack: a K and a V scale (maybe empty) per layer");
+  for (size_t li = 0; li < L; ++li) {
+    ks_.push_back(k_scale[li].numel() ? c10::optional<at::Tensor>(k_scale[li]) : c10::nullopt);
+    vs_.push_back(v_scale[li].numel() ? c10::optional<at::Tensor>(v_scale[li]) : c10::nullopt);
+  }
   TORCH_CHECK(vc_.size() == L && norms.size() == kNorms * L && eps.size() == kNorms * L && kinds.size() == 4 * L &&
                   a.size() == 4 * L && b.size() == 4 * L && c.size() == 4 * L && groups.size() == 4 * L &&
                   blocks.size() == 4 * L && ropes.size() == L && windows.size() == L,
@@ -113,11 +122,13 @@ at::Tensor LayerStack::attend(const at::Tensor& q, size_t li, const at::Tensor& 
   const at::Tensor& kc = kc_[li];
   const at::Tensor& vc = vc_[li];
   const int64_t window = layers_[li].window, T = q.size(0);
-  if (all_dec) return decode_attention(q, kc, vc, table, dec_slots, dec_len, scale_, window);
+  const auto& ks = ks_[li];
+  const auto& vs = vs_[li];
+  if (all_dec) return decode_attention(q, kc, vc, table, dec_slots, dec_len, scale_, window, ks, vs);
   auto out = at::empty({T, H_, D_}, q.options());
   if (dec_tok.numel() > 0)
     out.index_copy_(0, dec_tok, decode_attention(q.index_select(0, dec_tok), kc, vc, table, dec_slots, dec_len,
-                                                 scale_, window));
+                                                 scale_, window, ks, vs));
   std::vector<int64_t> ours;  // the chunks prefill_attention takes, in one call (one parallel region)
   for (size_t i = 0; i < prefill.size(); i += 4) {
     const int64_t a = prefill[i], n = prefill[i + 1], slot = prefill[i + 2], start = prefill[i + 3];
@@ -127,12 +138,12 @@ at::Tensor LayerStack::attend(const at::Tensor& q, size_t li, const at::Tensor& 
       continue;
     }
     auto qp = q.narrow(0, a, n).transpose(0, 1).unsqueeze(0);  // [1, H, n, D]
-    auto kp = seq_rows(kc, table, slot, end);
-    auto vp = seq_rows(vc, table, slot, end);
+    auto kp = seq_rows(kc, ks, table, slot, end);
+    auto vp = seq_rows(vc, vs, table, slot, end);
     // the rows of out, as [1, H, n, D]
     chunk_on_aten(qp, kp, vp, out.narrow(0, a, n).transpose(0, 1).unsqueeze(0), start, window, scale_, KV_ != H_);
   }
-  if (!ours.empty()) prefill_attention(q, kc, vc, table, out, ours, scale_, window);
+  if (!ours.empty()) prefill_attention(q, kc, vc, table, out, ours, scale_, window, ks, vs);
   return out;
 }
 
@@ -154,7 +165,7 @@ at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos,
     auto x = norm(nm[kNormIn], h);
     auto heads = run_linear(lin[0], x).view({T, H + 2 * KV, D});
     rope_store(heads, cos[ls.rope], sin[ls.rope], H + KV, H, H + KV, kc_[li], vc_[li], table, slots, positions,
-               opt(nm[kNormQ].w), nm[kNormQ].eps, opt(nm[kNormK].w), nm[kNormK].eps);
+               opt(nm[kNormQ].w), nm[kNormQ].eps, opt(nm[kNormK].w), nm[kNormK].eps, ks_[li], vs_[li]);
     auto out = attend(heads.narrow(1, 0, H), li, table, dec_tok, dec_slots, dec_len, all_dec, prefill)
                    .view({T, H * D});
     if (li + 1 == L && keep.numel() > 0) {
@@ -182,7 +193,8 @@ void bind_stack(pybind11::module_& m) {
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t,
                           int64_t, double, bool>())
       .def("forward", &LayerStack::forward,
            "the decoder layers over h [T, hidden] (fp32, CPU): the last layer's output rows `keep` "

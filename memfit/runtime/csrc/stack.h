@@ -46,12 +46,13 @@ struct LayerSpec {
 class LayerStack {
  public:
   // per layer: 6 norms (NormSlot order; empty tensors where absent) and their eps, 4 linears (qkv, o, gate_up,
-  // down), the paged caches (common.h: KvPages; the block table comes with each forward), the RoPE table index
-  // and the sliding window
+  // down), the paged caches (common.h: KvPages; the block table comes with each forward) and their scales (int8
+  // caches; empty tensors for fp32 ones), the RoPE table index and the sliding window
   LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<int64_t> kinds,
              std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> c,
              std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
-             std::vector<at::Tensor> v_cache, std::vector<int64_t> ropes, std::vector<int64_t> windows,
+             std::vector<at::Tensor> v_cache, std::vector<at::Tensor> k_scale, std::vector<at::Tensor> v_scale,
+             std::vector<int64_t> ropes, std::vector<int64_t> windows,
              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot);
   at::Tensor forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                      const at::Tensor& table, const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
@@ -65,6 +66,7 @@ class LayerStack {
   std::vector<LayerSpec> layers_;
   std::vector<LinearSpec> linears_;  // 4 per layer: qkv, o, gate_up (act(gate) * up pairs), down
   std::vector<at::Tensor> kc_, vc_;
+  std::vector<c10::optional<at::Tensor>> ks_, vs_;  // int8 caches' scales, nullopt for fp32
   int64_t H_, KV_, D_;
   double scale_;
 };

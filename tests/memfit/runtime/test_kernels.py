@@ -28,13 +28,14 @@ def _paged(caches: list[torch.Tensor], bs: int | None, fill: float | None = None
     """Logical caches [B, KV, S, D] laid out as the kernels read them: (physical caches, block table). Static (bs
     None): as they are, table[s, 0] = s. Paged: blocks of ``bs`` positions at shuffled physical ids, with spare
     blocks of noise (or ``fill``) that no table entry names."""
-    B, KV, S, D = caches[0].shape
+    B, KV, S, _ = caches[0].shape
     if bs is None:
         return caches, torch.arange(B)[:, None]
     nb = -(-S // bs)
     table = torch.randperm(B * nb + 3)[:B * nb].view(B, nb)
     out = []
     for c in caches:
+        D = c.shape[-1]
         phys = torch.randn(B * nb + 3, KV, bs, D) if fill is None else torch.full((B * nb + 3, KV, bs, D), fill)
         c = F.pad(c, (0, 0, 0, nb * bs - S))
         phys[table.reshape(-1)] = c.view(B, KV, nb, bs, D).transpose(1, 2).reshape(B * nb, KV, bs, D)
@@ -366,3 +367,52 @@ def test_peak_gflops_loop_runs(ops):
     else:
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             ops.peak_gflops(True, 10)
+
+
+@pytest.mark.parametrize("bs", LAYOUTS)
+@pytest.mark.parametrize("D", [32, 24])
+def test_int8_kv_kernels_equal_attention_over_the_dequantized_cache(ops, bs, D):
+    # rope_store quantizes each (token, KV head) row as quantize_rows does; decode and prefill attention over the
+    # int8 cache equal fp32 attention over its dequantized values (D 24: the scalar decode path; prefill takes
+    # D 32 only)
+    from memfit.runtime.attention import quantize_rows
+
+    torch.manual_seed(9)
+    H, KV, B, S = 4, 2, 3, 40
+    kl, vl = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    (kq, ks), (vq, vs) = quantize_rows(kl), quantize_rows(vl)
+    kd, vd = kq.float() * ks[..., None], vq.float() * vs[..., None]  # what the cache holds
+    (kp, vp, ksp, vsp), table = _paged([kq.float(), vq.float(), ks[..., None], vs[..., None]], bs, fill=0.0)
+    kp, vp, ksp, vsp = kp.to(torch.int8), vp.to(torch.int8), ksp[..., 0].contiguous(), vsp[..., 0].contiguous()
+    q = torch.randn(3, H, D)
+    slots, lens = torch.tensor([2, 0, 1]), torch.tensor([1, 40, 23])
+    out = ops.decode_attention(q, kp, vp, table, slots, lens, 0.3, k_scale=ksp, v_scale=vsp)
+    for i in range(3):
+        s, n = int(slots[i]), int(lens[i])
+        ref = F.scaled_dot_product_attention(q[i][None, :, None], kd[s:s + 1, :, :n], vd[s:s + 1, :, :n], scale=0.3,
+                                             enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+    if D % 16 == 0:
+        chunks, T = [(0, 9, 1, 14), (9, 30, 2, 0)], 39
+        qp = torch.randn(T, H, D)
+        outp = torch.zeros(T, H, D)
+        ops.prefill_attention(qp, kp, vp, table, outp, [x for c in chunks for x in c], 0.3, k_scale=ksp, v_scale=vsp)
+        for a, n, slot, start in chunks:
+            end = start + n
+            mask = _window_mask(torch.arange(start, end), end, 0)
+            ref = F.scaled_dot_product_attention(qp[a:a + n].transpose(0, 1)[None], kd[slot:slot + 1, :, :end],
+                                                 vd[slot:slot + 1, :, :end], attn_mask=mask, scale=0.3,
+                                                 enable_gqa=True)[0].transpose(0, 1)
+            torch.testing.assert_close(outp[a:a + n], ref, atol=1e-5, rtol=1e-5)
+    # the write: rows quantized into the int8 pages and their scales
+    heads = torch.randn(2, H + 2 * KV, D)
+    k_new, v_new = heads[:, H:H + KV].clone(), heads[:, H + KV:].clone()
+    ops.rope_store(heads, torch.ones(2, 1, D), torch.zeros(2, 1, D), H + KV, H, H + KV, kp, vp, table,
+                   torch.tensor([0, 2]), torch.tensor([5, 39]), k_scale=ksp, v_scale=vsp)
+    (k8, kscale), (v8, vscale) = quantize_rows(k_new), quantize_rows(v_new)
+    for t, (s, p) in enumerate([(0, 5), (2, 39)]):
+        blk, off = int(table[s, p // (bs or S)]), p % (bs or S)
+        assert torch.equal(kp[blk, :, off], k8[t]) and torch.equal(vp[blk, :, off], v8[t])
+        assert torch.equal(ksp[blk, :, off], kscale[t]) and torch.equal(vsp[blk, :, off], vscale[t])
+    with pytest.raises(RuntimeError, match="k_scale and v_scale"):
+        ops.decode_attention(q, kp, vp, table, slots, lens, 0.3)

@@ -1,7 +1,7 @@
 """SlotModel on a paged KV cache (blocks of a few positions, in shuffled physical order, spare blocks between):
 the same logits as HF's forward on the C++ layer loop, the kernels' Python loop and the torch-ops loop, with
 chunks and decodes that cross block boundaries, GQA, sliding windows, a prompt past the prefill kernel's key bound,
-and two sequences sharing their first blocks (what prefix caching does)."""
+two sequences sharing their first blocks (what prefix caching does), and int8 KV."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ def _model(kind: str) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**_COMMON, num_hidden_layers=2, num_key_value_heads=2)).eval()
 
 
-def _paged(model: torch.nn.Module, max_batch: int, max_seq_len: int, path: str, seed: int = 0) -> SlotModel:
+def _paged(model: torch.nn.Module, max_batch: int, max_seq_len: int, path: str, seed: int = 0,
+           cache_dtype: torch.dtype | None = None) -> SlotModel:
     """A paged SlotModel whose slots own disjoint blocks in a shuffled order (5 spare blocks no slot names).
     ``path``: "cpp" (the C++ layer loop), "kernels" (the Python loop on memfit's kernels), "torch" (torch ops)."""
     per = -(-max_seq_len // BS)
     kernels = "off" if path == "torch" else "on"
     sm = SlotModel(model, max_batch, max_seq_len, dense_kernel=kernels, cpu_kernels=kernels,
-                   num_blocks=max_batch * per + 5, block_size=BS)
+                   num_blocks=max_batch * per + 5, block_size=BS, cache_dtype=cache_dtype)
     assert sm.paged and sm.k_cache[0].shape[0] == max_batch * per + 5 and sm.k_cache[0].shape[2] == BS
     if path == "kernels":
         sm.stack = None
@@ -93,3 +94,35 @@ def test_static_cache_is_one_block_per_slot_and_bad_sizes_are_refused() -> None:
         SlotModel(_model("llama"), 1, 40, block_size=4)
     with pytest.raises(UserError, match="must be >= 1"):
         SlotModel(_model("llama"), 1, 40, block_size=4, num_blocks=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_int8_kv_is_close_to_fp32_and_the_same_on_every_path(kind: str) -> None:
+    # int8 K/V (a scale per token and head): the three paths agree with each other, and with HF's fp32 logits
+    # to the int8 error
+    model = _model(kind)
+    a, b = torch.randint(3, 300, (40,)), torch.randint(3, 300, (25,))
+    with torch.no_grad():
+        ref = {0: model(a[None]).logits[0], 1: model(b[None]).logits[0]}
+    steps = [[(0, 0, 5, False), (1, 0, 10, True)], [(0, 5, 33, True)], [(0, 38, 1, True), (1, 10, 14, True)],
+             [(1, 24, 1, True), (0, 39, 1, True)]]
+    outs = {}
+    for path in ("cpp", "kernels", "torch"):
+        sm = _paged(model, 2, 64, path, cache_dtype=torch.int8)
+        assert sm.kv_int8 and sm.k_cache[0].dtype == torch.int8
+        # 1 byte per value plus a 4-byte scale per row of 16 values (this model's head_dim)
+        assert sm.bytes_per_block == sum(2 * (c[0].numel() + 4 * c[0].numel() // c.shape[-1]) for c in sm.k_cache)
+        outs[path] = []
+        seqs = {0: a, 1: b}
+        for step in steps:
+            ids = torch.cat([seqs[s][st:st + n] for s, st, n, _ in step])
+            outs[path].append(sm.forward(ids, [Segment(s, st, n, w) for s, st, n, w in step]))
+    for path in ("kernels", "torch"):
+        for x, y in zip(outs["cpp"], outs[path], strict=True):
+            torch.testing.assert_close(x, y, atol=2e-3, rtol=0)
+    wanted = [(s, st + n - 1) for step in steps for s, st, n, w in step if w]
+    got = torch.cat(outs["cpp"])
+    want = torch.stack([ref[s][p] for s, p in wanted])
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert float(kl) < 1e-3 and float((got - want).abs().max()) < 0.25  # logits of this random model: ~+-4
+    assert float((got - want).abs().max()) > 0  # int8 is not exact: the test sees the quantized cache
