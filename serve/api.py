@@ -26,6 +26,7 @@ from memfit.runtime.slot_model import SlotModel
 from serve.engine import Engine
 from serve.errors import APIError, error_body
 from serve.generate import ServedModel, completion_prompts, generate
+from serve.kv_config import available_memory, format_bytes, kv_bytes_per_token, model_kv_elem_bytes, num_kv_blocks
 from serve.loader import Loaded
 from serve.metrics import Metrics
 from serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -50,6 +51,10 @@ class ServeConfig:
     tp: int = 1  # tensor-parallel ranks (rank 0 serves; see serve.tp)
     dense_kernel: str = "auto"  # fp32 CPU Linears on oneDNN: auto (where timed faster at load) | on | off
     cpu_kernels: str = "auto"  # fused fp32 CPU norm/RoPE/decode-attention kernels (memfit.runtime): auto | on | off
+    kv_cache: str = "paged"  # paged (blocks, where the packed engine runs the model on one device) | static slots
+    kv_cache_memory: int | None = None  # paged cache bytes; None: serve.kv_config's default share of free memory
+    block_size: int = 16  # token positions per KV block
+    prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes (paged only)
     engine_on_event_loop: bool = False  # True: a task on the server's event loop (serve CLI); else its own thread
 
 
@@ -136,6 +141,7 @@ class State:
         self.on_failed: Callable[[BaseException], None] | None = None
         self.ready_event = threading.Event()
         self.placement: dict | None = None  # where the model runs: shown by /health and /v1/models
+        self.kv_static_reason: str | None = None  # why the KV cache is static slots (shown by /health)
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop (set by the lifespan)
         self.engine_task: asyncio.Task | None = None
 
@@ -152,11 +158,20 @@ class State:
             loaded = self.load_fn()
             cfg = self.cfg
             msl = max_seq_len(loaded.model.config, cfg.max_seq_len)
+            kv_kw = self._kv_blocks(loaded, msl)
             # the packed engine where it knows the architecture, else HF's own forward and cache (slower);
             # tensor parallel is the packed engine's only
             sm = make_runner(loaded.model, cfg.max_batch, msl, generic_ok=loaded.tp == 1,
                              prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
-                             cpu_kernels=cfg.cpu_kernels, bf16_weights=loaded.bf16_weights)
+                             cpu_kernels=cfg.cpu_kernels, bf16_weights=loaded.bf16_weights,
+                             **{k: kv_kw[k] for k in ("num_blocks", "block_size") if k in kv_kw})
+            if kv_kw and not getattr(sm, "paged", False):
+                self.kv_static_reason = f"the {getattr(sm, 'engine', 'model')} engine has no paged KV cache"
+                log.info("KV cache: static slots (%s)", self.kv_static_reason)
+            elif kv_kw and sm.bytes_per_block != kv_kw["bytes_per_block"]:
+                log.warning("KV cache: %d bytes per block, %d predicted: it takes %s, not the budget's %s",
+                            sm.bytes_per_block, kv_kw["bytes_per_block"], format_bytes(sm.cache_bytes),
+                            format_bytes(kv_kw["num_blocks"] * kv_kw["bytes_per_block"]))
             if cfg.quantize_embeddings and getattr(sm, "ops", None) is None:
                 raise UserError("--quantize-embeddings needs memfit's CPU kernels (its int8 lm_head runs on them); "
                                 "drop --cpu-kernels off")
@@ -167,9 +182,10 @@ class State:
             self.placement = _placement_info(loaded, sm)
             _warmup(sm)
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
-            self.served = ServedModel(self.name, loaded.tokenizer, loaded.model.config.vocab_size, msl, self.metrics)
             self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics,
-                                 own_thread=not cfg.engine_on_event_loop)
+                                 own_thread=not cfg.engine_on_event_loop, prefix_caching=cfg.prefix_caching)
+            # no prompt is longer than the paged cache: it holds one --max-seq-len sequence at least (kv_config)
+            self.served = ServedModel(self.name, loaded.tokenizer, loaded.model.config.vocab_size, msl, self.metrics)
             if cfg.engine_on_event_loop:
                 self.loop.call_soon_threadsafe(self._start_engine_task)
             if self.status == "loading":
@@ -183,6 +199,27 @@ class State:
                 self.on_failed(e)
         finally:
             self.ready_event.set()
+
+    def _kv_blocks(self, loaded: Loaded, msl: int) -> dict:
+        """make_runner's paged-cache arguments (num_blocks, block_size; and the bytes_per_block they were sized
+        with), or {} for static slots: asked for, or a placed / tensor-parallel model. Logs the size chosen; a
+        budget too small is a UserError."""
+        cfg = self.cfg
+        if cfg.kv_cache == "static":
+            self.kv_static_reason = "--kv-cache static"
+        elif loaded.tp > 1 or loaded.plan is not None:
+            self.kv_static_reason = "tensor-parallel" if loaded.tp > 1 else "placed over devices (--device-map)"
+        if self.kv_static_reason is not None:
+            log.info("KV cache: static slots (%s)", self.kv_static_reason)
+            return {}
+        bpb = kv_bytes_per_token(loaded.model.config, model_kv_elem_bytes(loaded.model, loaded.bf16_weights)) \
+            * cfg.block_size
+        device = next(loaded.model.parameters()).device
+        avail = available_memory(device) if cfg.kv_cache_memory is None else None
+        n, how = num_kv_blocks(cfg.kv_cache_memory, bpb, cfg.block_size, cfg.max_batch, msl, avail)
+        log.info("KV cache: %s on %s = %d blocks of %d tokens (%s each, %d tokens; %s)", format_bytes(n * bpb), device,
+                 n, cfg.block_size, format_bytes(bpb), n * cfg.block_size, how)
+        return {"num_blocks": n, "block_size": cfg.block_size, "bytes_per_block": bpb}
 
 
 def _placement_info(loaded: Loaded, sm: SlotModel | HFCacheModel) -> dict:
@@ -208,6 +245,10 @@ def _warmup(sm: SlotModel | HFCacheModel) -> None:
 
     from memfit.runtime.slot_model import Segment
 
+    if getattr(sm, "paged", False):  # rows 0 and 1 on some blocks (the engine rewrites them before use)
+        k = min(-(-10 // sm.block_size), sm.block_table.shape[1])
+        for row in range(min(2, sm.max_batch)):
+            sm.block_table[row, :k] = torch.arange(row * k, (row + 1) * k) % sm.num_blocks
     sm.forward(torch.zeros(8, dtype=torch.long), [Segment(0, 0, 8)])
     other = 1 if sm.max_batch > 1 else 0
     sm.forward(torch.zeros(2, dtype=torch.long), [Segment(0, 8, 1), Segment(other, 9 * (1 - other), 1)])
@@ -290,7 +331,10 @@ def create_app(cfg: ServeConfig, load_fn: Callable[[], Loaded] | None = None,
     @app.get("/health")
     async def health():
         if state.status == "ready" and state.engine is not None and state.engine.alive:
-            return {"status": "ok", "placement": state.placement}
+            kv = state.engine.kv_info()
+            if state.kv_static_reason:
+                kv["static_reason"] = state.kv_static_reason
+            return {"status": "ok", "placement": state.placement, "kv": kv}
         msg = {"loading": "model is loading", "draining": "server is shutting down"}.get(
             state.status, f"model unavailable: {state.error}")
         return JSONResponse(error_body(msg, "service_unavailable", code=state.status), status_code=503)

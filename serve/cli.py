@@ -12,6 +12,7 @@ import sys
 from memfit.defaults import DEFAULT_MODEL, default_model, max_seq_len
 from memfit.errors import UserError
 from memfit.modeldir import check_model_dir, read_config
+from serve.kv_config import add_kv_args, check_kv_args, guess_kv_elem_bytes, kv_bytes_per_token, num_kv_blocks
 from serve.options import add_placement_args, check_placement, placement_from_args
 
 log = logging.getLogger("serve")
@@ -35,11 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store the lm_head and input embedding as int8 rows (one scale per row): a quarter of the "
                         "bytes a decode step reads for a large vocabulary (Gemma 3: 671 -> 168 MB); opt-in, "
                         "its quality cost is in bench/results/embeddings.md")
-    p.add_argument("--max-batch", type=int, default=16, help="KV-cache slots = max concurrent sequences")
+    p.add_argument("--max-batch", type=int, default=16, help="max sequences running at once (static KV cache: "
+                   "its slots)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="context per slot, prompt + output (default: min(max_position_embeddings, 2048))")
+                   help="context per sequence, prompt + output (default: min(max_position_embeddings, 2048))")
     p.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens prefilled per step")
     p.add_argument("--max-queue", type=int, default=64, help="max sequences waiting for a slot; more get 429")
+    add_kv_args(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env MEMFIT_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -72,8 +75,15 @@ def validate(args: argparse.Namespace) -> None:
     check_placement(args)
     if args.graceful_timeout < 0:
         raise UserError("--graceful-timeout must be >= 0")
+    args.kv_budget = check_kv_args(args)
+    if args.kv_budget is not None and (args.tp > 1 or args.device_map or args.max_memory):
+        raise UserError("--kv-cache-memory: placed (--device-map/--max-memory) and tensor-parallel (--tp) models "
+                        "run a static KV cache (--max-batch x --max-seq-len)")
     cfg = read_config(check_model_dir(args.model, "--model"), "--model")
-    max_seq_len(cfg, args.max_seq_len)  # refuses < 2 and past the model's window
+    msl = max_seq_len(cfg, args.max_seq_len)  # refuses < 2 and past the model's window
+    if args.kv_budget is not None:  # checked again with the loaded model's exact KV dtype
+        bpb = kv_bytes_per_token(cfg, guess_kv_elem_bytes(args.dtype, args.cpu_kernels)) * args.block_size
+        num_kv_blocks(args.kv_budget, bpb, args.block_size, args.max_batch, msl)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                       prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key,
                       max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp,
                       dense_kernel=args.dense_kernel, cpu_kernels=args.cpu_kernels,
-                      engine_on_event_loop=True)
+                      kv_cache=args.kv_cache, kv_cache_memory=args.kv_budget, block_size=args.block_size,
+                      prefix_caching=not args.no_prefix_cache, engine_on_event_loop=True)
     app = create_app(cfg)
     state = app.state.serve
     failure: list[BaseException] = []

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UserError
+from serve.kv_config import format_bytes as _size
 
 KEYWORDS = ("auto", "balanced", "balanced_low_0", "sequential", "cpu")
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -88,13 +89,6 @@ class Plan:
             counts[_dev_name(m.device)] = counts.get(_dev_name(m.device), 0) + 1
         return {"modules_per_device": counts, "resident_bytes": self.resident, "working_bytes": self.working,
                 "device_map": {k: _dev_name(v) for k, v in self.device_map.items()}}
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
 
 
 def _dev_name(d: int | str) -> str:

@@ -293,10 +293,45 @@ def test_metrics_exposed(server):
                  "memfit:num_requests_waiting", "memfit:kv_cache_usage_perc",
                  "memfit:time_to_first_token_seconds_count",
                  "memfit:inter_token_latency_seconds_count", "memfit:e2e_request_latency_seconds_count",
-                 "memfit:request_queue_time_seconds_count"):
+                 "memfit:request_queue_time_seconds_count", "memfit:kv_cache_blocks_free",
+                 "memfit:kv_cache_blocks_total",
+                 "memfit:prefix_cache_queries_total", "memfit:prefix_cache_hits_total", "memfit:num_preemptions_total"):
         metric(text, name)
     assert metric(text, "memfit:generation_tokens_total") - metric(before, "memfit:generation_tokens_total") == 5
     assert metric(text, "memfit:num_requests_running") == 0
+    assert metric(text, "memfit:kv_cache_usage_perc") == 0
+
+
+def test_health_reports_the_paged_kv_cache_and_prefix_hits(server):
+    kv = httpx.get(server.url + "/health", timeout=10).json()["kv"]
+    # the server fixture: --max-batch 4 x --max-seq-len 256 caps the default budget at 4 x 16 blocks of 16
+    assert kv["paged"] is True and kv["prefix_caching"] is True and kv["block_size"] == 16
+    assert kv["blocks_total"] == 64 and kv["blocks_free"] == 64 and kv["bytes"] > 0
+    body = {"model": "tiny", "prompt": "the slings and arrows of outrageous fortune, " * 4, "max_tokens": 4,
+            "temperature": 0}
+    texts = [httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+             for _ in range(2)]
+    after = httpx.get(server.url + "/health", timeout=10).json()["kv"]
+    assert texts[0] == texts[1] and after["prefix_cache_hits"] - kv["prefix_cache_hits"] >= 16
+    assert after["blocks_cached"] >= 1 and after["blocks_free"] == 64
+    m = httpx.get(server.url + "/metrics", timeout=10).text
+    assert metric(m, "memfit:prefix_cache_hits_total") == after["prefix_cache_hits"]
+
+
+def test_static_kv_cache_and_no_prefix_cache_serve_the_same_tokens(model_dir, loaded, server):
+    body = {"model": "tiny", "prompt": "HAMLET. To be, or not to be", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    want = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    for kw, paged in (({"kv_cache": "static"}, False), ({"prefix_caching": False, "block_size": 4}, True)):
+        s = make_server(model_dir, loaded, max_batch=2, max_seq_len=128, **kw)
+        try:
+            kv = httpx.get(s.url + "/health", timeout=10).json()["kv"]
+            assert kv["paged"] is paged and kv["prefix_caching"] is False
+            assert paged or kv["static_reason"] == "--kv-cache static"
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+            assert r.json()["choices"][0]["text"] == want
+        finally:
+            s.stop()
 
 
 @pytest.mark.parametrize("extra,status", [

@@ -23,6 +23,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
     (["--max-batch", "0"], "--max-batch"),
     (["--max-seq-len", "100000"], "max_position_embeddings"),
     (["--dtype", "fp8"], "invalid choice"),
+    (["--kv-cache-memory", "2GB"], "--kv-cache-memory: '2GB' is not a size"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory: '-1' is not a size"),
+    (["--kv-cache-memory", "abc"], "--kv-cache-memory: 'abc' is not a size"),
+    # the tiny model: 2 layers x 2 KV heads x 16 dims x K,V x fp32 = 512 bytes a token, 8KiB a block of 16
+    (["--kv-cache-memory", "100"], "smaller than one KV block"),
+    (["--kv-cache-memory", "64KiB", "--max-seq-len", "256"], "one --max-seq-len 256 sequence needs 16: give at "
+                                                             "least 128.0KiB"),
+    (["--block-size", "0"], "--block-size"),
+    (["--kv-cache", "static", "--kv-cache-memory", "1GiB"], "--kv-cache static"),
 ])
 def test_bad_cli_input_exits_2(model_dir, args, needle):
     if "--model" not in args:

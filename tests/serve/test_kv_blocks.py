@@ -102,3 +102,27 @@ def test_prefix_caching_off_registers_and_finds_nothing():
     assert pool.num_cached == 0 and pool.match(toks, []) == [] and pool.queries == 0
     pool.release(b)
     assert pool.leaks() == []
+
+
+def test_sizes_and_the_budget_in_blocks():
+    from memfit.errors import UserError
+    from serve.kv_config import kv_bytes_per_token, num_kv_blocks, parse_size
+
+    assert parse_size("2GiB", "--f") == 2 * 2**30 and parse_size("512MiB", "--f") == 512 * 2**20
+    assert parse_size("1.5KiB", "--f") == 1536 and parse_size("4096", "--f") == 4096
+    for bad in ("2GB", "-1", "abc", "0", "", "1 GiB extra", "1e9"):
+        with pytest.raises(UserError, match="--f"):
+            parse_size(bad, "--f")
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    assert kv_bytes_per_token(cfg, 4) == 2 * 2 * 2 * 16 * 4
+    assert kv_bytes_per_token({"text_config": cfg}, 2) == 2 * 2 * 2 * 16 * 2  # multimodal config.json
+    bpb = 1000
+    assert num_kv_blocks(64_500, bpb, 16, 4, 256)[0] == 64  # explicit: not capped by --max-batch
+    with pytest.raises(UserError, match="needs 16"):
+        num_kv_blocks(15_999, bpb, 16, 4, 256)
+    with pytest.raises(UserError, match="smaller than one KV block"):
+        num_kv_blocks(999, bpb, 16, 4, 256)
+    # default: a quarter of what is available, at most --max-batch x --max-seq-len, at least one sequence
+    assert num_kv_blocks(None, bpb, 16, 4, 256, available=10**9)[0] == 64
+    assert num_kv_blocks(None, bpb, 16, 4, 256, available=100_000)[0] == 25
+    assert num_kv_blocks(None, bpb, 16, 4, 256, available=1000)[0] == 16

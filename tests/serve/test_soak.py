@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from serve.kv_config import kv_bytes_per_token
+
 from .conftest import hf_greedy, make_server, metric
 
 PROMPTS = ["ROMEO. But soft", "JULIET. O Romeo", "To be, or not to be", "MACBETH. Tomorrow, and tomorrow, " * 4,
@@ -16,7 +18,11 @@ PROMPTS = ["ROMEO. But soft", "JULIET. O Romeo", "To be, or not to be", "MACBETH
 
 
 def test_soak_60_requests_concurrency_16_with_disconnects(model_dir, loaded):
-    s = make_server(model_dir, loaded, max_batch=8, max_seq_len=256, prefill_chunk=32, max_queue=32)
+    # a paged cache of 36 blocks of 8 (288 positions, 1.1 --max-seq-len) for 8 running sequences: preemptions,
+    # and prefix hits (the prompts repeat)
+    bpb = kv_bytes_per_token(loaded.model.config, 4) * 8
+    s = make_server(model_dir, loaded, max_batch=8, max_seq_len=256, prefill_chunk=32, max_queue=32,
+                    kv_cache_memory=36 * bpb, block_size=8)
     tok = loaded.tokenizer
     expected = {}
     for p in PROMPTS:
@@ -77,5 +83,9 @@ def test_soak_60_requests_concurrency_16_with_disconnects(model_dir, loaded):
         assert metric(m, 'memfit:request_success_total{finished_reason="abort"}') >= 1
         eng = s.state.engine
         assert sorted(eng.free_slots) == list(range(8))
+        assert eng.kv_leaks() == []  # every block back in the pool, not just the gauge at 0
+        assert metric(m, "memfit:kv_cache_blocks_free") == metric(m, "memfit:kv_cache_blocks_total") == 36
+        assert metric(m, "memfit:prefix_cache_hits_total") == eng.pool.hits > 0
+        assert metric(m, "memfit:num_preemptions_total") == eng.scheduler.num_preemptions  # timing: 0 to a few
     finally:
         s.stop()

@@ -1,0 +1,149 @@
+"""How big the paged KV cache is: the ``--kv-cache*`` / ``--block-size`` flags, sizes like ``2GiB``, and the
+budget -> block count arithmetic that ``serve`` (at load) and ``serve plan`` (without loading) share.
+
+One block holds ``block_size`` token positions of K and V in every layer, so ``bytes_per_block = 2 x layers x
+kv_heads x head_dim x block_size x element bytes`` and a budget of B bytes is ``B // bytes_per_block`` blocks.
+The default budget is ``DEFAULT_KV_FRACTION`` of the memory available on the cache's device once the model is
+loaded, capped at what static slots would take (``--max-batch`` sequences of ``--max-seq-len``) and never below
+one ``--max-seq-len`` sequence. Nothing here imports torch at module level: bad flags fail fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from memfit.errors import UserError
+from serve.kv_blocks import blocks_for
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_FRACTION = 0.25  # of the available memory on the device, when --kv-cache-memory is not given
+MAX_BLOCK_SIZE = 4096
+_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GiB"`` or a plain byte count -> bytes. Decimal units (``2GB``) are refused
+    rather than guessed at (2 x 10^9 or 2 x 2^30?), as are zero, negative and non-numbers."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB)?\s*", text or "")
+    n = int(float(m.group(1)) * _UNITS[m.group(2) or ""]) if m else 0
+    if n <= 0:
+        raise UserError(f"{flag}: {text!r} is not a size: give a positive byte count or KiB/MiB/GiB/TiB "
+                        f"(e.g. 2GiB, 512MiB)")
+    return n
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def add_kv_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
+    """``--kv-cache-memory`` and ``--block-size`` (serve and serve plan); ``--kv-cache``, ``--no-prefix-cache``
+    (serve only)."""
+    if serving:
+        p.add_argument("--kv-cache", choices=["paged", "static"], default="paged",
+                       help="paged (default): KV memory in blocks of --block-size tokens that sequences take as "
+                            "they grow, sized by --kv-cache-memory, with prefix caching; static: every one of "
+                            "--max-batch slots holds --max-seq-len positions (the engine before paging). Models run "
+                            "placed (--device-map), tensor-parallel or by the generic engine are always static")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help=f"paged KV cache size, e.g. 2GiB, 512MiB (or bytes); default: "
+                        f"{DEFAULT_KV_FRACTION:.0%} of the memory available after loading, at most --max-batch x "
+                        "--max-seq-len positions and at least one --max-seq-len sequence")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"token positions per KV block (default {DEFAULT_BLOCK_SIZE})")
+    if serving:
+        p.add_argument("--no-prefix-cache", action="store_true",
+                       help="do not reuse the KV blocks of identical prompt prefixes (automatic prefix caching)")
+
+
+def check_kv_args(args: argparse.Namespace) -> int | None:
+    """Validate the KV flags; returns ``--kv-cache-memory`` in bytes (None: the default)."""
+    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
+        raise UserError(f"--block-size must be in 1..{MAX_BLOCK_SIZE}, got {args.block_size}")
+    if args.kv_cache_memory is None:
+        return None
+    budget = parse_size(args.kv_cache_memory, "--kv-cache-memory")
+    if getattr(args, "kv_cache", "paged") == "static":
+        raise UserError("--kv-cache-memory sizes the paged cache; --kv-cache static takes --max-batch x "
+                        "--max-seq-len positions")
+    return budget
+
+
+def _cfg(config, key: str):
+    if isinstance(config, dict):
+        v = config.get(key)
+        if v is None and isinstance(config.get("text_config"), dict):  # multimodal configs (Gemma 3)
+            v = config["text_config"].get(key)
+        return v
+    return getattr(config, key, None)
+
+
+def kv_bytes_per_token(config, elem_bytes: int) -> int:
+    """K + V bytes of one token position over all layers (``config``: config.json's dict or an HF config)."""
+    heads = _cfg(config, "num_attention_heads")
+    kv = _cfg(config, "num_key_value_heads") or heads
+    head_dim = _cfg(config, "head_dim") or _cfg(config, "hidden_size") // heads
+    return 2 * _cfg(config, "num_hidden_layers") * kv * head_dim * elem_bytes
+
+
+def guess_kv_elem_bytes(dtype: str, cpu_kernels: str) -> int:
+    """Before loading: the KV cache's element size for ``--dtype`` (fp32 but for fp16, and bf16 on torch ops;
+    bf16 on memfit's kernels keeps an fp32 cache). ``model_kv_elem_bytes`` gives the loaded model's."""
+    return 2 if dtype == "fp16" or (dtype == "bf16" and cpu_kernels == "off") else 4
+
+
+def model_kv_elem_bytes(model, bf16_weights: bool) -> int:
+    """The loaded model's KV element size, as the engine picks its cache dtype (SlotModel: fp32 with bf16
+    weights, else the input embedding's dtype, else the first floating parameter's)."""
+    if bf16_weights:
+        return 4
+    w = getattr(model.get_input_embeddings(), "weight", None)
+    if w is not None and w.dtype.is_floating_point:
+        return w.element_size()
+    return next((p.element_size() for p in model.parameters() if p.dtype.is_floating_point), 4)
+
+
+def available_memory(device) -> int:
+    """Bytes free for the KV cache on ``device`` (a torch.device or name): CUDA's free memory, else the host's
+    available memory."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # accelerate depends on psutil; this is a fallback for bare installs
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_kv_blocks(budget: int | None, bytes_per_block: int, block_size: int, max_batch: int, max_seq_len: int,
+                  available: int | None = None) -> tuple[int, str]:
+    """Blocks for a budget, and how the size was chosen (for the start-up line). ``budget`` None: the default
+    (``available`` needed). Refuses, naming ``--kv-cache-memory``, a budget below one block or below one
+    ``--max-seq-len`` sequence."""
+    per_seq = blocks_for(max_seq_len, block_size)
+    if budget is None:
+        cap = max_batch * per_seq
+        n = max(per_seq, min(cap, int(DEFAULT_KV_FRACTION * (available or 0)) // bytes_per_block))
+        how = (f"default: {DEFAULT_KV_FRACTION:.0%} of {format_bytes(available or 0)} available, at most --max-batch "
+               f"x --max-seq-len, at least one --max-seq-len sequence")
+        return n, how
+    if budget < bytes_per_block:
+        raise UserError(f"--kv-cache-memory {format_bytes(budget)} is smaller than one KV block ({block_size} tokens "
+                        f"in every layer: {format_bytes(bytes_per_block)}); give at least "
+                        f"{format_bytes(per_seq * bytes_per_block)} (one --max-seq-len {max_seq_len} sequence)")
+    n = budget // bytes_per_block
+    if n < per_seq:
+        raise UserError(f"--kv-cache-memory {format_bytes(budget)} holds {n} blocks of {block_size} tokens, but one "
+                        f"--max-seq-len {max_seq_len} sequence needs {per_seq}: give at least "
+                        f"{format_bytes(per_seq * bytes_per_block)} ({per_seq * bytes_per_block} bytes) or lower "
+                        "--max-seq-len")
+    return n, f"--kv-cache-memory {format_bytes(budget)}"
