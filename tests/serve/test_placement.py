@@ -183,3 +183,16 @@ def test_compress_output_places_the_same_way(deep_dir, tmp_path):
     sm = SlotModel(loaded.model, 2, 64)
     assert loaded.quantized == "compress" and len(sm.prefetch.offloaded) >= 2
     assert greedy(sm, PROMPT, 12) == ref
+
+
+def test_plan_predicts_the_paged_kv_cache(model_dir, capsys):
+    from serve.plan import main as plan_main
+
+    # the tiny model: 512 bytes a token, 8KiB a block of 16; 1MiB = 128 blocks = 2048 tokens
+    assert plan_main([model_dir, "--max-seq-len", "256", "--kv-cache-memory", "1MiB", "--seq-len", "100",
+                      "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv"]
+    assert (kv["blocks"], kv["tokens"], kv["bytes_per_block"]) == (128, 2048, 8192)
+    assert kv["sequences_fit"] == 128 // 7 and kv["running_at_once"] == 16 and kv["static_slots_same_bytes"] == 8
+    assert plan_main([model_dir, "--max-seq-len", "256", "--kv-cache-memory", "64KiB"]) == 2
+    assert "one --max-seq-len 256 sequence needs 16" in capsys.readouterr().err
