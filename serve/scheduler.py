@@ -161,33 +161,41 @@ class Scheduler:
         """Under the lock: grow the running sequences' blocks (preempting from the tail when the pool is dry),
         then admit from the head of the queue while the pool holds their first chunk."""
         pool = self.pool
+        bs = pool.block_size
         budget = self.prefill_chunk
-        planned: list[tuple[Sequence, int]] = []
+        seqs, num = plan.seqs, plan.num_tokens  # the decodes, then (appended at the end) the prefill chunks
+        chunks: list[tuple[Sequence, int]] = []
+        running = self.running
         i = 0
-        while i < len(self.running):  # admission order: a victim (the tail) is never one planned before
-            s = self.running[i]
-            if s.in_prefill:
+        while i < len(running):  # admission order: a victim (the tail) is never one planned before
+            s = running[i]
+            prefill = s.computed < s.prefill_len
+            if prefill:
                 if budget <= 0:
                     i += 1
                     continue
                 n = min(budget, s.prefill_len - s.computed)
             else:
                 n = 1
-            while not self._grow(s, s.computed + n):
-                if len(self.running) == 1:  # alone and still short: the pool can never hold it
-                    self._fail(plan, s, f"needs more than the KV cache's {pool.num_blocks} blocks of "
-                                        f"{pool.block_size} tokens")
+            if s.computed + n > len(s.blocks) * bs:  # else its last block has room (most decode steps)
+                while not self._grow(s, s.computed + n):
+                    if len(running) == 1:  # alone and still short: the pool can never hold it
+                        self._fail(plan, s, f"needs more than the KV cache's {pool.num_blocks} blocks of {bs} "
+                                            "tokens")
+                        break
+                    victim = running[-1]
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is s:
+                        break
+                if s.slot is None:  # preempted or failed: it was the last one
                     break
-                victim = self.running[-1]
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is s:
-                    break
-            if s.slot is None:  # preempted or failed: it was the last one
-                break
-            planned.append((s, n))
-            if s.in_prefill:
+            if prefill:
+                chunks.append((s, n))
                 budget -= n
+            else:
+                seqs.append(s)
+                num.append(1)
             i += 1
         if not plan.preempted:
             now = time.monotonic()
@@ -200,17 +208,12 @@ class Scheduler:
                     if s.scheduled is None:  # its first admission (not a resume after a preemption)
                         s.scheduled = now
                         plan.admitted.append(s)
-                    planned.append((s, n))
+                    chunks.append((s, n))
                     budget -= n
-        for s, n in planned:  # decodes first
-            if not s.in_prefill:
-                plan.seqs.append(s)
-                plan.num_tokens.append(n)
-        plan.num_decodes = len(plan.seqs)
-        for s, n in planned:
-            if s.in_prefill:
-                plan.seqs.append(s)
-                plan.num_tokens.append(n)
+        plan.num_decodes = len(seqs)
+        for s, n in chunks:
+            seqs.append(s)
+            num.append(n)
 
     def _admit_paged(self, s: Sequence, budget: int, plan: StepPlan) -> int | None:
         """Admit the queue's head ``s`` if the pool holds its first chunk (after its prefix-cache hit): the
@@ -279,12 +282,11 @@ class Scheduler:
         register = pool is not None and pool.enable_prefix_caching
         for s, n, tok in zip(plan.seqs, plan.num_tokens, sampled, strict=True):
             s.computed += n
-            if register and s.blocks:
+            if register and s.computed >= (s.num_registered + 1) * pool.block_size and s.blocks:
+                # newly full blocks, generated tokens included
                 full = min(s.computed // pool.block_size, len(s.blocks))
-                if full > s.num_registered:  # newly full blocks, generated tokens included
-                    pool.register(s.blocks, pool.extend_hashes(s.tokens, s.block_hashes, full), s.num_registered,
-                                  full)
-                    s.num_registered = full
+                pool.register(s.blocks, pool.extend_hashes(s.tokens, s.block_hashes, full), s.num_registered, full)
+                s.num_registered = full
             if tok is None or s.finished:
                 continue
             s.out_ids.append(tok)
