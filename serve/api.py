@@ -166,7 +166,8 @@ class State:
                              cpu_kernels=cfg.cpu_kernels, bf16_weights=loaded.bf16_weights,
                              **{k: kv_kw[k] for k in ("num_blocks", "block_size") if k in kv_kw})
             if kv_kw and not getattr(sm, "paged", False):
-                self.kv_static_reason = f"the {getattr(sm, 'engine', 'model')} engine has no paged KV cache"
+                self.kv_static_reason = "the generic engine (HF's own cache)" \
+                    if getattr(sm, "engine", PACKED) != PACKED else "the model's engine has no paged cache"
                 log.info("KV cache: static slots (%s)", self.kv_static_reason)
             elif kv_kw and sm.bytes_per_block != kv_kw["bytes_per_block"]:
                 log.warning("KV cache: %d bytes per block, %d predicted: it takes %s, not the budget's %s",

@@ -51,8 +51,8 @@ def add_kv_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
                             "placed (--device-map), tensor-parallel or by the generic engine are always static")
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help=f"paged KV cache size, e.g. 2GiB, 512MiB (or bytes); default: "
-                        f"{DEFAULT_KV_FRACTION:.0%} of the memory available after loading, at most --max-batch x "
-                        "--max-seq-len positions and at least one --max-seq-len sequence")
+                        f"{DEFAULT_KV_FRACTION * 100:.0f}%% of the memory available after loading, at most --max-batch "
+                        "x --max-seq-len positions and at least one --max-seq-len sequence")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"token positions per KV block (default {DEFAULT_BLOCK_SIZE})")
     if serving:

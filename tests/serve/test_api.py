@@ -376,3 +376,23 @@ def test_completion_echo_whole_and_streamed(server):
     chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
     assert chunks[0]["choices"][0]["text"] == "ROMEO."  # the prompt comes first
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+
+
+def test_generic_engine_keeps_a_static_kv_cache_and_says_why(tmp_path, loaded):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from serve.loader import Loaded
+
+    tok = loaded.tokenizer
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    s = make_server(str(tmp_path), Loaded(model, tok, set(loaded.eos_ids), 64, None), max_batch=2)
+    try:
+        kv = httpx.get(s.url + "/health", timeout=10).json()["kv"]
+        assert kv["paged"] is False and kv["static_reason"] == "the generic engine (HF's own cache)"
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "ROMEO.", "max_tokens": 3},
+                       timeout=30)
+        assert r.status_code == 200
+    finally:
+        s.stop()

@@ -126,3 +126,12 @@ def test_sizes_and_the_budget_in_blocks():
     assert num_kv_blocks(None, bpb, 16, 4, 256, available=10**9)[0] == 64
     assert num_kv_blocks(None, bpb, 16, 4, 256, available=100_000)[0] == 25
     assert num_kv_blocks(None, bpb, 16, 4, 256, available=1000)[0] == 16
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"]])
+def test_help_renders(argv, capsys):
+    from serve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and "--kv-cache-memory" in capsys.readouterr().out
