@@ -77,6 +77,21 @@ inline v16 row16(const float* f, const int8_t* q, int64_t d) {
 // lanes at a time (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions,
 // cold caches: ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory
 // bandwidth)
+// A paged cache's spans are short runs (16 rows: 4 KiB at D 64) that the hardware prefetcher restarts on; so the
+// K (or V) rows of the span kAhead spans on are prefetched whole when a span starts (decode step, batch 16 at 128
+// positions, blocks of 16: 0.82x of the static cache without this, 1.0-1.07x with it; 4 or 8 spans ahead: no better).
+constexpr size_t kAhead = 2;
+
+template <bool Q8>
+inline void prefetch_span(const std::vector<Span>& spans, size_t si, bool value, int64_t D) {
+  if (si >= spans.size()) return;
+  const Span& sp = spans[si];
+  const char* r = Q8 ? reinterpret_cast<const char*>(value ? sp.V8 : sp.K8)
+                     : reinterpret_cast<const char*>(value ? sp.V : sp.K);
+  const int64_t bytes = sp.n * D * (Q8 ? 1 : 4);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b);
+}
+
 // int8 rows are widened 16 lanes at a time; the key's scale multiplies its score, the value's its probability.
 template <bool Q8>
 void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
@@ -85,7 +100,11 @@ void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t 
   p.resize(G * L);
   acc.assign(G * nd, v16{});
   int64_t l = 0;
-  for (const Span& sp : spans)
+  const size_t ns = spans.size();
+  for (size_t si = 1; si < kAhead; ++si) prefetch_span<Q8>(spans, si, false, D);
+  for (size_t si = 0; si < ns; ++si) {
+    const Span& sp = spans[si];
+    prefetch_span<Q8>(spans, si + kAhead, false, D);
     for (int64_t i = 0; i < sp.n; ++i, ++l) {
       const float* kf = Q8 ? nullptr : sp.K + i * D;
       const int8_t* kq = Q8 ? sp.K8 + i * D : nullptr;
@@ -97,9 +116,13 @@ void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t 
         p[j * L + l] = hsum(a) * ksc;
       }
     }
+  }
   for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
   l = 0;
-  for (const Span& sp : spans)
+  for (size_t si = 0; si < kAhead; ++si) prefetch_span<Q8>(spans, si, true, D);
+  for (size_t si = 0; si < ns; ++si) {
+    const Span& sp = spans[si];
+    prefetch_span<Q8>(spans, si + kAhead, true, D);
     for (int64_t i = 0; i < sp.n; ++i, ++l) {
       const float* vf = Q8 ? nullptr : sp.V + i * D;
       const int8_t* vq = Q8 ? sp.V8 + i * D : nullptr;
@@ -110,6 +133,7 @@ void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t 
         for (int64_t d = 0; d < nd; ++d) o[d] += pl * row16<Q8>(vf, vq, d * 16);
       }
     }
+  }
   for (int64_t j = 0; j < G; ++j)
     for (int64_t d = 0; d < nd; ++d) *reinterpret_cast<v16u*>(outs[j] + d * 16) = acc[j * nd + d];
 }
