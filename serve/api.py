@@ -23,10 +23,11 @@ from memfit.errors import UserError
 from memfit.runtime.generic import PACKED, HFCacheModel, make_runner
 from memfit.runtime.linear import format_counts
 from memfit.runtime.slot_model import SlotModel
+from serve import kv_config
 from serve.engine import Engine
 from serve.errors import APIError, error_body
 from serve.generate import ServedModel, completion_prompts, generate
-from serve.kv_config import available_memory, format_bytes, kv_bytes_per_token, model_kv_elem_bytes, num_kv_blocks
+from serve.kv_config import format_bytes
 from serve.loader import Loaded
 from serve.metrics import Metrics
 from serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -54,6 +55,7 @@ class ServeConfig:
     kv_cache: str = "paged"  # paged (blocks, where the packed engine runs the model on one device) | static slots
     kv_cache_memory: int | None = None  # paged cache bytes; None: serve.kv_config's default share of free memory
     block_size: int = 16  # token positions per KV block
+    kv_cache_dtype: str = "auto"  # auto (the engine's activation dtype) | int8 (a scale per token and KV head)
     prefix_caching: bool = True  # reuse the KV blocks of identical prompt prefixes (paged only)
     engine_on_event_loop: bool = False  # True: a task on the server's event loop (serve CLI); else its own thread
 
@@ -164,7 +166,9 @@ class State:
             sm = make_runner(loaded.model, cfg.max_batch, msl, generic_ok=loaded.tp == 1,
                              prefetch=getattr(cfg.placement, "prefetch", False), dense_kernel=cfg.dense_kernel,
                              cpu_kernels=cfg.cpu_kernels, bf16_weights=loaded.bf16_weights,
+                             cache_dtype=kv_config.kv_torch_dtype(cfg.kv_cache_dtype),
                              **{k: kv_kw[k] for k in ("num_blocks", "block_size") if k in kv_kw})
+            kv_config.check_kv_dtype(sm, cfg.kv_cache_dtype)
             if kv_kw and not getattr(sm, "paged", False):
                 self.kv_static_reason = "the generic engine (HF's own cache)" \
                     if getattr(sm, "engine", PACKED) != PACKED else "the model's engine has no paged cache"
@@ -213,14 +217,9 @@ class State:
         if self.kv_static_reason is not None:
             log.info("KV cache: static slots (%s)", self.kv_static_reason)
             return {}
-        bpb = kv_bytes_per_token(loaded.model.config, model_kv_elem_bytes(loaded.model, loaded.bf16_weights)) \
-            * cfg.block_size
-        device = next(loaded.model.parameters()).device
-        avail = available_memory(device) if cfg.kv_cache_memory is None else None
-        n, how = num_kv_blocks(cfg.kv_cache_memory, bpb, cfg.block_size, cfg.max_batch, msl, avail)
-        log.info("KV cache: %s on %s = %d blocks of %d tokens (%s each, %d tokens; %s)", format_bytes(n * bpb), device,
-                 n, cfg.block_size, format_bytes(bpb), n * cfg.block_size, how)
-        return {"num_blocks": n, "block_size": cfg.block_size, "bytes_per_block": bpb}
+        elem = kv_config.model_kv_elem_bytes(loaded.model, loaded.bf16_weights)
+        return kv_config.paged_cache_size(loaded.model.config, elem, cfg.kv_cache_dtype, cfg.kv_cache_memory,
+                                          cfg.block_size, cfg.max_batch, msl, next(loaded.model.parameters()).device)
 
 
 def _placement_info(loaded: Loaded, sm: SlotModel | HFCacheModel) -> dict:

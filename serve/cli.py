@@ -12,7 +12,14 @@ import sys
 from memfit.defaults import DEFAULT_MODEL, default_model, max_seq_len
 from memfit.errors import UserError
 from memfit.modeldir import check_model_dir, read_config
-from serve.kv_config import add_kv_args, check_kv_args, guess_kv_elem_bytes, kv_bytes_per_token, num_kv_blocks
+from serve.kv_config import (
+    add_kv_args,
+    check_kv_args,
+    guess_kv_elem_bytes,
+    kv_bytes_per_token,
+    kv_torch_dtype,
+    num_kv_blocks,
+)
 from serve.options import add_placement_args, check_placement, placement_from_args
 
 log = logging.getLogger("serve")
@@ -82,7 +89,8 @@ def validate(args: argparse.Namespace) -> None:
     cfg = read_config(check_model_dir(args.model, "--model"), "--model")
     msl = max_seq_len(cfg, args.max_seq_len)  # refuses < 2 and past the model's window
     if args.kv_budget is not None:  # checked again with the loaded model's exact KV dtype
-        bpb = kv_bytes_per_token(cfg, guess_kv_elem_bytes(args.dtype, args.cpu_kernels)) * args.block_size
+        bpb = kv_bytes_per_token(cfg, guess_kv_elem_bytes(args.dtype, args.cpu_kernels),
+                                 args.kv_cache_dtype) * args.block_size
         num_kv_blocks(args.kv_budget, bpb, args.block_size, args.max_batch, msl)
 
 
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_body_bytes=args.max_body_bytes, placement=placement, tp=args.tp,
                       dense_kernel=args.dense_kernel, cpu_kernels=args.cpu_kernels,
                       kv_cache=args.kv_cache, kv_cache_memory=args.kv_budget, block_size=args.block_size,
+                      kv_cache_dtype=args.kv_cache_dtype,
                       prefix_caching=not args.no_prefix_cache, engine_on_event_loop=True)
     app = create_app(cfg)
     state = app.state.serve
@@ -193,7 +202,7 @@ def _tp_worker(args: argparse.Namespace) -> int:
     msl = max_seq_len(loaded.model.config, args.max_seq_len)  # as rank 0's State.load
     try:  # tensor parallel runs on the packed engine only: an architecture it lacks is refused, as on rank 0
         sm = make_runner(loaded.model, args.max_batch, msl, generic_ok=False, dense_kernel=args.dense_kernel,
-                         cpu_kernels=args.cpu_kernels)
+                         cpu_kernels=args.cpu_kernels, cache_dtype=kv_torch_dtype(args.kv_cache_dtype))
     except UserError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2

@@ -123,11 +123,13 @@ class Engine:
     def kv_info(self) -> dict:
         """The KV cache as /health shows it."""
         p, m = self.pool, self.model
+        caches = getattr(m, "k_cache", None)  # the generic engine has none: HF's cache, in the model's dtype
+        dtype = str(caches[0].dtype).removeprefix("torch.") if caches else "model"
         if p is None:
             return {"paged": False, "slots": self.max_batch, "slot_tokens": self.max_seq_len,
-                    "bytes": getattr(m, "cache_bytes", None), "prefix_caching": False}
-        return {"paged": True, "block_size": p.block_size, "blocks_total": p.num_blocks, "blocks_free": p.num_free,
-                "blocks_cached": p.num_cached, "bytes": p.num_blocks * m.bytes_per_block,
+                    "bytes": getattr(m, "cache_bytes", None), "prefix_caching": False, "dtype": dtype}
+        return {"paged": True, "dtype": dtype, "block_size": p.block_size, "blocks_total": p.num_blocks,
+                "blocks_free": p.num_free, "blocks_cached": p.num_cached, "bytes": p.num_blocks * m.bytes_per_block,
                 "prefix_caching": p.enable_prefix_caching, "prefix_cache_queries": p.queries,
                 "prefix_cache_hits": p.hits, "preemptions": self.scheduler.num_preemptions}
 

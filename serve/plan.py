@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def kv_prediction(config: dict, args: argparse.Namespace, budget: int | None, msl: int, param_bytes: int) -> dict:
     """The paged KV cache serve would make on one device, and how many ``--seq-len`` sequences fit in it."""
     bs = args.block_size
-    per_token = kv_bytes_per_token(config, guess_kv_elem_bytes(args.dtype, args.cpu_kernels))
+    per_token = kv_bytes_per_token(config, guess_kv_elem_bytes(args.dtype, args.cpu_kernels), args.kv_cache_dtype)
     avail = None if budget is not None else max(0, available_memory("cpu") - param_bytes)
     n, how = num_kv_blocks(budget, per_token * bs, bs, args.max_batch, msl, avail)
     seq_len = args.seq_len or msl

@@ -334,6 +334,40 @@ def test_static_kv_cache_and_no_prefix_cache_serve_the_same_tokens(model_dir, lo
             s.stop()
 
 
+def test_int8_kv_cache_serves_close_to_fp32_in_a_quarter_of_the_bytes(model_dir, loaded, server):
+    body = {"model": "tiny", "prompt": "HAMLET. To be, or not to be, that is the question", "max_tokens": 1,
+            "temperature": 0, "logprobs": 5}
+    want = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    fp32 = httpx.get(server.url + "/health", timeout=10).json()["kv"]
+    s = make_server(model_dir, loaded, max_batch=4, max_seq_len=256, kv_cache_dtype="int8")
+    try:
+        kv = httpx.get(s.url + "/health", timeout=10).json()["kv"]
+        # the same default budget (4 x 256 positions) in int8: 2 x 2 x 2 x (16 + 4) bytes a token, not 512
+        assert kv["dtype"] == "int8" and fp32["dtype"] == "float32"
+        assert kv["blocks_total"] == 64 and kv["bytes"] == 64 * 16 * 160 and fp32["bytes"] == 64 * 16 * 512
+        got = httpx.post(s.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+        assert got["tokens"] == want["tokens"]
+        top_w, top_g = want["top_logprobs"][0], got["top_logprobs"][0]
+        assert top_w.keys() == top_g.keys() and max(abs(top_w[t] - top_g[t]) for t in top_w) < 0.05
+    finally:
+        s.stop()
+
+
+def test_int8_kv_cache_is_refused_on_the_generic_engine(loaded):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memfit.errors import UserError
+    from memfit.runtime.generic import make_runner
+    from serve.kv_config import check_kv_dtype
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    runner = make_runner(model, 2, 64, cache_dtype=torch.int8)
+    with pytest.raises(UserError, match="--kv-cache-dtype int8 runs on the packed engine"):
+        check_kv_dtype(runner, "int8")
+    check_kv_dtype(runner, "auto")
+
+
 @pytest.mark.parametrize("extra,status", [
     ({"repetition_penalty": 5e-324}, 400),
     ({"repetition_penalty": 0.01, "temperature": 2.0, "top_k": 166582, "frequency_penalty": -2.0}, 200),

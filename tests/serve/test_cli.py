@@ -31,6 +31,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
     (["--kv-cache-memory", "64KiB", "--max-seq-len", "256"], "one --max-seq-len 256 sequence needs 16: give at "
                                                              "least 128.0KiB"),
     (["--block-size", "0"], "--block-size"),
+    (["--kv-cache-dtype", "fp8"], "invalid choice"),
+    # int8: 2 layers x 2 KV heads x (16 bytes + a 4-byte scale) x K,V = 160 bytes a token, 2.5KiB a block
+    (["--kv-cache-dtype", "int8", "--kv-cache-memory", "2KiB"], "smaller than one KV block (16 tokens in every "
+                                                                  "layer: 2.5KiB)"),
     (["--kv-cache", "static", "--kv-cache-memory", "1GiB"], "--kv-cache static"),
 ])
 def test_bad_cli_input_exits_2(model_dir, args, needle):

@@ -194,5 +194,10 @@ def test_plan_predicts_the_paged_kv_cache(model_dir, capsys):
     kv = json.loads(capsys.readouterr().out)["kv"]
     assert (kv["blocks"], kv["tokens"], kv["bytes_per_block"]) == (128, 2048, 8192)
     assert kv["sequences_fit"] == 128 // 7 and kv["running_at_once"] == 16 and kv["static_slots_same_bytes"] == 8
+    # int8 KV: 160 bytes a token, 2560 a block: 409 blocks in 1MiB
+    assert plan_main([model_dir, "--max-seq-len", "256", "--kv-cache-memory", "1MiB", "--kv-cache-dtype", "int8",
+                      "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv"]
+    assert (kv["blocks"], kv["bytes_per_block"], kv["static_slots_same_bytes"]) == (409, 2560, 25)
     assert plan_main([model_dir, "--max-seq-len", "256", "--kv-cache-memory", "64KiB"]) == 2
     assert "one --max-seq-len 256 sequence needs 16" in capsys.readouterr().err
