@@ -43,6 +43,32 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x.float() * inv[..., None]).to(torch.int8), amax / 127.0
 
 
+def smooth_key_norms(norms: dict, layers, head_dim: int) -> int:
+    """Fold a per-channel factor s out of each layer's k_norm weight and into its q_norm weight (``norms``: the
+    fused (weight, eps) of SlotModel._norms, changed in place); the number of layers changed.
+
+    Why: keys have outlier channels that one int8 scale per row quantizes coarsely, and q.k is unchanged by
+    (q * s).(k / s). Where keys pass a per-head RMSNorm (Gemma 3, Qwen3) that norm's gain sets each channel's
+    size, so s = |gain| needs no calibration data; RoPE mixes channels i and i + D/2, so each pair shares the
+    larger of its two. Gemma 3 270M, 1024 held-out tokens, K and V fake-quantized per row: mean KL to fp32
+    1.2e-2 -> 3.4e-3 (calibrated per-channel maxima: 4.5e-3). Models without q/k norms keep plain rows."""
+    done = 0
+    for layer in layers:
+        attn = layer.self_attn
+        q_spec = norms.get(id(getattr(attn, "q_norm", None)))
+        k_spec = norms.get(id(getattr(attn, "k_norm", None)))
+        if q_spec is None or k_spec is None or not q_spec[0].numel() == k_spec[0].numel() == head_dim:
+            continue
+        g = k_spec[0].abs()
+        g = torch.maximum(g[:head_dim // 2], g[head_dim // 2:]).repeat(2)
+        s = g.clamp_min(g.max() * 1e-2)
+        s = s / s.pow(2).mean().sqrt()  # unit RMS: q and k keep their overall size
+        norms[id(attn.q_norm)] = ((q_spec[0] * s).contiguous(), q_spec[1])
+        norms[id(attn.k_norm)] = ((k_spec[0] / s).contiguous(), k_spec[1])
+        done += 1
+    return done
+
+
 def _rows(cache: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, end: int,
           scale: torch.Tensor | None = None) -> torch.Tensor:
     """The cached positions [0, end) of the sequences in ``slots`` as [len(slots), KV, end, D], gathered through

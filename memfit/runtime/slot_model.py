@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from memfit.errors import UserError
 from memfit.runtime import kernels
-from memfit.runtime.attention import StepLayout, attend, quantize_rows
+from memfit.runtime.attention import StepLayout, attend, quantize_rows, smooth_key_norms
 from memfit.runtime.dense import pack_linears
 from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
@@ -201,6 +201,8 @@ class SlotModel:
         self.windows = [_window(ly, cfg, max_seq_len) for ly in self.layers]
         # every RMSNorm as (weight, eps) for one fused op (Gemma's (1 + w) folded in); other norms run as modules
         self._norms = {id(m): spec for m in hf_model.modules() if (spec := rms_norm_weight(m)) is not None}
+        if self.kv_int8:  # int8 keys: outlier channels moved into the queries (attention.smooth_key_norms)
+            smooth_key_norms(self._norms, self.layers, self.head_dim)
         # Gemma 2/3: norms after attention and after the MLP too (post_attention_layernorm then is not the MLP's)
         self.sandwich = [hasattr(ly, "pre_feedforward_layernorm") for ly in self.layers]
         self.softcap = getattr(cfg, "final_logit_softcapping", None)

@@ -251,7 +251,9 @@ double peak_gflops(bool bf16, int64_t iters) {
         for (int64_t it = 0; it < iters; ++it)
           for (int i = 0; i < 16; ++i) {
             acc[i] = acc[i] * a + c;
+#ifdef __AVX512F__  // a register operand: one zmm holds a v16 (AVX2 has none that does; its FMA chains stay anyway)
             asm volatile("" : "+v"(acc[i]));
+#endif
           }
       v16 sum = v16{};
       for (int i = 0; i < 16; ++i) sum += acc[i];

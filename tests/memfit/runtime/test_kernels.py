@@ -387,9 +387,13 @@ def test_int8_kv_kernels_equal_attention_over_the_dequantized_cache(ops, bs, D):
     q = torch.randn(3, H, D)
     slots, lens = torch.tensor([2, 0, 1]), torch.tensor([1, 40, 23])
     out = ops.decode_attention(q, kp, vp, table, slots, lens, 0.3, k_scale=ksp, v_scale=vsp)
+    qd = q
+    if D % 32 == 0:  # the x86 decode kernel dots int8 keys with the query rounded to 15 bits per (row, head)
+        step = q.abs().amax(-1, keepdim=True) / 16383
+        qd = torch.round(q / step) * step
     for i in range(3):
         s, n = int(slots[i]), int(lens[i])
-        ref = F.scaled_dot_product_attention(q[i][None, :, None], kd[s:s + 1, :, :n], vd[s:s + 1, :, :n], scale=0.3,
+        ref = F.scaled_dot_product_attention(qd[i][None, :, None], kd[s:s + 1, :, :n], vd[s:s + 1, :, :n], scale=0.3,
                                              enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
     if D % 16 == 0:

@@ -126,3 +126,43 @@ def test_int8_kv_is_close_to_fp32_and_the_same_on_every_path(kind: str) -> None:
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean")
     assert float(kl) < 1e-3 and float((got - want).abs().max()) < 0.25  # logits of this random model: ~+-4
     assert float((got - want).abs().max()) > 0  # int8 is not exact: the test sees the quantized cache
+
+
+def test_int8_keys_move_the_k_norm_outlier_channels_into_the_queries(monkeypatch) -> None:
+    # Gemma-style keys with two loud channels (a RoPE pair) set by k_norm's gain: the fold keeps every q.k and
+    # shrinks the int8 cache's error against the fp32 model; without the fold (the plain per-row scale) it is larger
+    import memfit.runtime.slot_model as slot_model_mod
+    from memfit.runtime.attention import smooth_key_norms
+    from memfit.runtime.modules import rms_norm_weight
+
+    model = _model("gemma3")
+    D = model.config.head_dim
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight[[3, 3 + D // 2]] = 20.0
+    norms = {id(m): spec for m in model.modules() if (spec := rms_norm_weight(m)) is not None}
+    before = dict(norms)
+    assert smooth_key_norms(norms, model.model.layers, D) == len(model.model.layers)
+    q, k = torch.randn(5, D), torch.randn(7, D)
+    for layer in model.model.layers:
+        qn, kn = id(layer.self_attn.q_norm), id(layer.self_attn.k_norm)
+        dots = [torch.nn.functional.rms_norm(q, (D,), n[qn][0], n[qn][1]) @
+                torch.nn.functional.rms_norm(k, (D,), n[kn][0], n[kn][1]).T for n in (before, norms)]
+        torch.testing.assert_close(dots[0], dots[1], rtol=1e-5, atol=1e-5)
+        s = before[kn][0] / norms[kn][0]
+        torch.testing.assert_close(s[:D // 2], s[D // 2:])  # RoPE pairs share a factor
+        assert float(s[3]) > 5 * float(s.median())
+
+    ids = torch.randint(3, 300, (48,))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0].log_softmax(-1)
+
+    def int8_kl() -> float:
+        sm = _paged(model, 1, 64, "cpp", cache_dtype=torch.int8)
+        got = sm.forward(ids, [Segment(0, p, 1) for p in range(len(ids))]).log_softmax(-1)
+        return float(torch.nn.functional.kl_div(got, want, log_target=True, reduction="batchmean"))
+
+    folded = int8_kl()
+    monkeypatch.setattr(slot_model_mod, "smooth_key_norms", lambda *a: 0)
+    plain = int8_kl()
+    assert folded < 0.5 * plain, (folded, plain)
