@@ -1,20 +1,12 @@
-"""A packed, slot-cache forward pass over the weights of a Hugging Face decoder (Llama family, Qwen, Gemma 3).
+"""A packed forward pass over a Hugging Face decoder's modules (Llama family, Qwen, Gemma 3) on a paged KV cache.
 
-One call runs any mix of decode tokens and prefill chunks from different sequences ("segments"):
-all tokens of the step are packed into one ``[T, hidden]`` matrix so every Linear runs once per
-layer; attention reads a preallocated, paged KV cache: per layer ``[num_blocks, kv_heads, block_size, head_dim]``,
-and a block table ``[max_batch, max_blocks_per_seq]`` whose row ``slot`` lists the blocks of the sequence running in
-that slot (the caller, serve's scheduler, allocates blocks and writes the table). Without ``block_size`` each slot
-owns one block of ``max_seq_len`` positions: the static slot cache, ``block_table[s, 0] == s``.
-
-Only the *modules* of the HF model are called (``layer.self_attn.q_proj(x)``, ``layer.mlp(x)``,
-``layer.input_layernorm(x)``), never their ``.weight``, so quantized Linear replacements from
-``compress`` work unchanged. Rotary embeddings come from the model's own ``rotary_emb`` module (rope.py), so
-every RoPE scaling variant that transformers implements is matched exactly; attention, sliding windows
-included, is attention.py. Gemma 3's layers (sandwich norms around attention and MLP, q/k norms, scaled
-embeddings, GELU-tanh MLP, per-type RoPE bases) run here too. Where every layer runs on
-memfit's CPU kernels (memfit.runtime.kernels), the layers run as one C++ call over those kernels' packed weights
-(memfit.runtime.fast_stack); the Python loop here is its reference and runs everything else.
+One call runs any mix of decode tokens and prefill chunks of different sequences, packed into one [T, hidden]
+matrix so every Linear runs once per layer. Each layer's cache is [num_blocks, kv_heads, block_size, head_dim];
+``block_table[slot]`` lists the blocks of the sequence in that slot (serve's scheduler fills it); without
+``block_size`` a slot owns one block of ``max_seq_len`` positions (the static cache). Only the HF *modules* are
+called, so compress's quantized Linears work unchanged; RoPE is the model's own rotary_emb (rope.py), attention
+attention.py. Where every layer runs on memfit's CPU kernels the layers are one C++ call (fast_stack); this
+Python loop is its reference and runs everything else.
 """
 
 from __future__ import annotations
@@ -166,18 +158,15 @@ class SlotModel:
         if not self.paged:
             self.block_table[:, 0] = torch.arange(max_batch)
         shape = (self.num_blocks, self.num_kv, self.block_size, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
-        self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
+        self.k_cache, self.v_cache = ([torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
+                                      for _ in range(2))
         # int8 KV (cache_dtype=torch.int8): a scale per (block, KV head, row), attention.quantize_rows says how
         self.kv_int8 = cdt == torch.int8
         self.k_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
         self.v_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
-        self.scale = self.layers[0].self_attn.scaling if hasattr(self.layers[0].self_attn, "scaling") \
-            else self.head_dim ** -0.5
+        self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.lm_head = hf_model.lm_head  # after packing, which may replace it
-        # embedding and lm_head, called once a step: their forward straight, without nn.Module.__call__'s hook
-        # bookkeeping, where no hooks are registered (with the other changes to _forward's bookkeeping, the
-        # time of a batch-16 decode step outside the layers and lm_head went from 0.64-0.69 to 0.54 ms)
+        # embedding and lm_head, once a step: their forward straight, without nn.Module.__call__'s hook bookkeeping
         self._embed = plain_forward(self.inner.embed_tokens)
         self._lm_head = plain_forward(self.lm_head)
 
@@ -235,8 +224,7 @@ class SlotModel:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers (a position of every layer, times block_size), int8's scales
-        included."""
+        """K and V bytes of one block over all layers, int8's scales included."""
         return sum(self.cache_bytes_per_device().values()) // self.num_blocks
 
     def cache_bytes_per_device(self) -> dict[str, int]:
