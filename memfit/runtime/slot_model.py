@@ -158,8 +158,8 @@ class SlotModel:
         if not self.paged:
             self.block_table[:, 0] = torch.arange(max_batch)
         shape = (self.num_blocks, self.num_kv, self.block_size, self.head_dim)
-        self.k_cache, self.v_cache = ([torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
-                                      for _ in range(2))
+        self.k_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
+        self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
         # int8 KV (cache_dtype=torch.int8): a scale per (block, KV head, row), attention.quantize_rows says how
         self.kv_int8 = cdt == torch.int8
         self.k_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]

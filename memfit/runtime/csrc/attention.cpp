@@ -113,15 +113,16 @@ inline void key_scores(const float* const* qs, const float* kf, const int8_t* kq
   for (int j = 0; j < NJ; ++j) p[j * L] = hsum(a[j]) * ksc;
 }
 
-template <bool Q8>
-inline void key_scores_all(const float* const* qs, const float* kf, const int8_t* kq, int64_t G, int64_t nd,
-                           float ksc, float* p, int64_t L) {
+// f(std::integral_constant<int, NJ>{}, j) for the query rows [j, j + NJ) of G, NJ <= 4 at a time: the score
+// kernels keep NJ accumulators in registers, so NJ is a template argument
+template <class F>
+inline void in_fours(int64_t G, F&& f) {
   for (int64_t j = 0; j < G; j += 4) {
     switch (std::min<int64_t>(4, G - j)) {
-      case 4: key_scores<Q8, 4>(qs + j, kf, kq, nd, ksc, p + j * L, L); break;
-      case 3: key_scores<Q8, 3>(qs + j, kf, kq, nd, ksc, p + j * L, L); break;
-      case 2: key_scores<Q8, 2>(qs + j, kf, kq, nd, ksc, p + j * L, L); break;
-      default: key_scores<Q8, 1>(qs + j, kf, kq, nd, ksc, p + j * L, L);
+      case 4: f(std::integral_constant<int, 4>{}, j); break;
+      case 3: f(std::integral_constant<int, 3>{}, j); break;
+      case 2: f(std::integral_constant<int, 2>{}, j); break;
+      default: f(std::integral_constant<int, 1>{}, j);
     }
   }
 }
@@ -188,17 +189,6 @@ inline void queries_i16(const float* const* qs, int64_t G, int64_t D, std::vecto
   }
 }
 
-inline void key_scores_i16_all(const int16_t* q16, const int8_t* kq, int64_t G, int64_t D, const float* qsc,
-                               float ksc, float* p, int64_t L) {
-  for (int64_t j = 0; j < G; j += 4) {
-    switch (std::min<int64_t>(4, G - j)) {
-      case 4: key_scores_i16<4>(q16 + j * D, kq, D, qsc + j, ksc, p + j * L, L); break;
-      case 3: key_scores_i16<3>(q16 + j * D, kq, D, qsc + j, ksc, p + j * L, L); break;
-      case 2: key_scores_i16<2>(q16 + j * D, kq, D, qsc + j, ksc, p + j * L, L); break;
-      default: key_scores_i16<1>(q16 + j * D, kq, D, qsc + j, ksc, p + j * L, L);
-    }
-  }
-}
 #endif
 
 // int8 rows are widened 16 lanes at a time, once per row for all G query rows; the key's scale multiplies its
@@ -216,16 +206,22 @@ void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t 
   for (size_t si = 0; si < ns; ++si) {
     const Span& sp = spans[si];
     prefetch_span<Q8>(spans, si + kAhead, false, D);
+    for (int64_t i = 0; i < sp.n; ++i, ++l) {
+      float* pr = p.data() + l;
+      const float ksc = Q8 ? sp.ks[i] * sc : sc;
 #ifdef MEMFIT_I16_DOT
-    if (Q8 && q16) {
-      for (int64_t i = 0; i < sp.n; ++i, ++l) key_scores_i16_all(q16, sp.K8 + i * D, G, D, q16s, sp.ks[i] * sc,
-                                                               p.data() + l, L);
-      continue;
-    }
+      if (Q8 && q16) {
+        in_fours(G, [&](auto nj, int64_t j) {
+          key_scores_i16<decltype(nj)::value>(q16 + j * D, sp.K8 + i * D, D, q16s + j, ksc, pr + j * L, L);
+        });
+        continue;
+      }
 #endif
-    for (int64_t i = 0; i < sp.n; ++i, ++l)
-      key_scores_all<Q8>(qs, Q8 ? nullptr : sp.K + i * D, Q8 ? sp.K8 + i * D : nullptr, G, nd,
-                         Q8 ? sp.ks[i] * sc : sc, p.data() + l, L);
+      in_fours(G, [&](auto nj, int64_t j) {
+        key_scores<Q8, decltype(nj)::value>(qs + j, Q8 ? nullptr : sp.K + i * D, Q8 ? sp.K8 + i * D : nullptr, nd,
+                                            ksc, pr + j * L, L);
+      });
+    }
   }
   for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
   l = 0;
@@ -344,11 +340,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
         }
 #endif
         attend_vec<true>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
-      }
-      else if (D % 16 == 0)
+      } else if (D % 16 == 0) {
         attend_vec<false>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
-      else
+      } else {
         attend_scalar(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p);
+      }
     }
   });
   return out;
