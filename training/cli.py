@@ -20,7 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true", help="allow pickle .bin checkpoints (unsafe)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     p.add_argument("--memory-report", action="store_true",
-                   help="print bytes of parameters, gradients, optimizer state and activations")
+                   help="predict memory before step 1, then print it next to what was measured")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory the recipe will need (parameters, gradients, optimizer state, activations, "
+                        "loss, peak) from one probe forward, and exit without training")
     return p
 
 
@@ -36,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--resume and --overwrite contradict each other; pick one")
         from training.loop import train  # heavy imports after the config is known to be good
 
-        result = train(cfg, resume=args.resume, overwrite=args.overwrite, memory_report=args.memory_report)
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite, memory_report=args.memory_report,
+                       plan_only=args.plan)
     except UserError as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":  # one summary line, not one per process
-        print(json.dumps({k: v for k, v in result.items() if k != "memory_report"}))
+        print(json.dumps({k: v for k, v in result.items() if k != "memory_report"}))  # --plan: the plan's bytes
     return 0
 
 

@@ -13,8 +13,12 @@ import yaml
 from memfit.errors import UserError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "full", "every_k")
+CHECKPOINTING = ("none", "full", "every_k", "auto")
 OPTIMIZERS = ("adamw", "adamw8bit")
+LOSSES = ("chunked", "plain")
+ACTIVATION_OFFLOAD = ("none", "cpu", "disk")
+OPTIMIZER_OFFLOAD = ("none", "cpu")
+STAGE_KEYS = ("steps", "trainable", "freeze")
 
 
 @dataclass
@@ -70,9 +74,33 @@ class TrainConfig:
     precision: str = "auto"
     """auto|fp32|bf16|fp16. auto: bf16 on CUDA with bf16, fp16+GradScaler on older CUDA, fp32 on CPU."""
     checkpointing: str = "none"
-    """Activation checkpointing per decoder layer: none|full|every_k (non-reentrant)."""
+    """Activation checkpointing per decoder layer: none|full|every_k|auto (non-reentrant). auto measures each
+    layer's saved bytes and forward time in one probe step and checkpoints the cheapest set of layers that keeps
+    activations under activation_budget."""
     checkpoint_every_k: int = 2
     """With checkpointing=every_k: checkpoint every k-th decoder layer."""
+    activation_budget: str | None = None
+    """With checkpointing=auto: bytes of activations one micro-batch may keep for backward ("512MiB", "2GiB")."""
+    loss: str = "chunked"
+    """chunked: lm_head + cross-entropy over loss_chunk_tokens tokens at a time, gradients computed in the same
+    pass, so the [tokens, vocab] logits never exist whole (equal gradients). plain: HF logits + F.cross_entropy."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the chunked loss (its transient memory is ~3 x chunk x vocab x 4 bytes). 0: auto,
+    chunks of ~256 MiB of fp32 logits (Gemma 3's 262k vocabulary: 256 tokens)."""
+    offload_activations: str = "none"
+    """none|cpu|disk. cpu (or true): saved activations go to pinned CPU memory during forward (GPU runs only).
+    disk: they are spilled to files in a temp dir and read back in backward (for CPU-only runs)."""
+    optimizer_offload: str = "none"
+    """none|cpu. cpu: AdamW state and an fp32 master copy of the trainable weights live in CPU memory and the
+    step runs there (ZeRO-Offload for one device); the device holds only weights and gradients."""
+    trainable: list[str] = field(default_factory=list)
+    """Regexes (re.search over parameter names): of the parameters that would train (all weights, or LoRA's
+    adapters) only the matching ones do. Empty: all of them. A pattern that matches nothing is an error."""
+    freeze: list[str] = field(default_factory=list)
+    """Regexes of parameters to freeze (applied after trainable). The optimizer holds state only for what trains."""
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    """Staged training: a list of {steps: N, trainable: [...], freeze: [...]}; each stage runs N optimizer steps
+    (the last may omit steps: until max_steps) with its own patterns instead of the top-level ones."""
     lora: bool = False
     """Train LoRA adapters (PEFT) instead of all weights."""
     lora_r: int = 8
@@ -112,12 +140,25 @@ class TrainConfig:
         _choice("precision", self.precision, PRECISIONS)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("loss", self.loss, LOSSES)
+        if self.offload_activations in ("true", "True", "false", "False"):  # YAML booleans read as strings
+            self.offload_activations = "cpu" if self.offload_activations.lower() == "true" else "none"
+        _choice("offload_activations", self.offload_activations, ACTIVATION_OFFLOAD)
+        _choice("optimizer_offload", self.optimizer_offload, OPTIMIZER_OFFLOAD)
+        if self.optimizer_offload == "cpu" and self.optimizer != "adamw":
+            raise UserError(f"optimizer_offload: cpu steps torch AdamW on the CPU; optimizer={self.optimizer} "
+                            "keeps its state on the device and cannot offload (use optimizer=adamw)")
+        if self.checkpointing == "auto" and not self.activation_budget:
+            raise UserError("checkpointing: auto needs activation_budget (e.g. activation_budget=512MiB)")
+        if self.activation_budget and self.checkpointing != "auto":
+            raise UserError("activation_budget: only used with checkpointing=auto")
+        _check_stages(self.stages, self.max_steps)
         for name in ("block_size", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every",
                      "log_every", "checkpoint_every_k", "lora_r", "vocab_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0 or self.eval_batches < 0:
-            raise UserError("warmup_steps and eval_batches must be >= 0")
+        if self.warmup_steps < 0 or self.eval_batches < 0 or self.loss_chunk_tokens < 0:
+            raise UserError("warmup_steps, eval_batches and loss_chunk_tokens must be >= 0")
         if not 0.0 <= self.val_fraction < 1.0:
             raise UserError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.lr <= 0:
@@ -125,6 +166,27 @@ class TrainConfig:
         if self.qlora and self.model_path is None:
             raise UserError("qlora: needs a model_path (a pretrained base to quantize)")
         return self
+
+
+def _check_stages(stages: list[dict[str, Any]], max_steps: int) -> None:
+    for i, stage in enumerate(stages):
+        where = f"stages[{i}]"
+        if not isinstance(stage, dict):
+            raise UserError(f"{where}: must be a mapping of {', '.join(STAGE_KEYS)}")
+        unknown = sorted(set(stage) - set(STAGE_KEYS))
+        if unknown:
+            raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(STAGE_KEYS)})")
+        steps = stage.get("steps")
+        if steps is None and i != len(stages) - 1:
+            raise UserError(f"{where}.steps: only the last stage may omit its length")
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise UserError(f"{where}.steps must be an int >= 1, got {steps!r}")
+        for key in ("trainable", "freeze"):
+            pats = stage.get(key, [])
+            if not isinstance(pats, list) or not all(isinstance(p, str) for p in pats):
+                raise UserError(f"{where}.{key} must be a list of regexes")
+    if stages and sum(s.get("steps") or 0 for s in stages[:-1]) >= max_steps:
+        raise UserError(f"stages: the stages before the last add up to >= max_steps ({max_steps}): the last never runs")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -148,6 +210,8 @@ def _normalize(key: str, value: Any) -> Any:
         value = [value]
     if hint is str and value is not None and not isinstance(value, str):
         value = str(value)
+    if hint == str | None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # activation_budget: 536870912
     return value
 
 
@@ -178,6 +242,8 @@ def _check_types(values: dict[str, Any], source: str) -> None:
             ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
         elif hint == dict[str, Any] | None:
             ok = value is None or isinstance(value, dict)
+        elif hint == list[dict[str, Any]]:
+            ok = isinstance(value, list) and all(isinstance(v, dict) for v in value)
         if ok is False:
             raise UserError(f"{source}: {key} must be {getattr(hint, '__name__', hint)}, got {value!r}")
 

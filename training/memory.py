@@ -9,7 +9,8 @@ exactly what checkpointing keeps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,23 +46,37 @@ class ActivationMeter:
 
 @dataclass
 class MemoryReport:
+    """Measured after step 1 (and at the end), next to the plan's prediction when one was made."""
+
     parameters: int = 0
     gradients: int = 0
     optimizer_state: int = 0
     activations: int = 0
-    peak_cuda: int | None = None
-    extra: dict = field(default_factory=dict)
+    """Bytes one micro-batch's forward saved for backward: the plan's probe measured them."""
+    peak: int = 0
+    """Peak memory after step 1: VmHWM on CPU, max_memory_allocated on CUDA."""
+    peak_final: int = 0
+    """Peak memory at the end of the run."""
+    plan: Any = None
+    """The training.plan.MemoryPlan made before step 1, if any."""
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "extra"} | self.extra
+        out = {k: v for k, v in self.__dict__.items() if k != "plan"}
+        if self.plan is not None:
+            out["predicted"] = self.plan.as_dict()
+        return out
 
     def table(self) -> str:
-        rows = [("parameters", self.parameters), ("gradients", self.gradients),
-                ("optimizer state", self.optimizer_state), ("activations (per micro-batch)", self.activations)]
-        if self.peak_cuda is not None:
-            rows.append(("peak CUDA allocated", self.peak_cuda))
+        p = self.plan
+        rows = [("parameters", self.parameters, p and p.parameters), ("gradients", self.gradients, p and p.gradients),
+                ("optimizer state", self.optimizer_state, p and p.optimizer_state),
+                ("activations (per micro-batch)", self.activations, p and p.activations),
+                ("peak after step 1", self.peak, p and p.peak_first_step)]
+        if self.peak_final:
+            rows.append(("peak at the end (evals and saves included)", self.peak_final, p and p.peak))
         width = max(len(r[0]) for r in rows)
-        return "\n".join(f"{name:<{width}}  {mib(b):>10}" for name, b in rows)
+        head = f"{'':<{width}}  {'measured':>12}  {'predicted':>12}"
+        return head + "".join(f"\n{name:<{width}}  {mib(b):>12}  {mib(q) if q else '':>12}" for name, b, q in rows)
 
 
 def mib(n: int) -> str:
@@ -75,5 +90,5 @@ def fill_static(report: MemoryReport, model: torch.nn.Module, optimizer: torch.o
     report.optimizer_state = tensor_bytes(
         v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
     )
-    if torch.cuda.is_available():
-        report.peak_cuda = torch.cuda.max_memory_allocated()
+    if report.plan is not None:
+        report.activations = report.plan.activations

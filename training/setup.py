@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,10 +13,22 @@ import torch
 from memfit.errors import UserError
 from memfit.hf import load_pretrained, load_tokenizer, nf4_config
 from memfit.modeldir import atomic_dir
+from memfit.sizes import parse_size
 from training import checkpoint as ckpt
+from training.budget import apply_checkpointing, choose_checkpointing, find_decoder_layers, probe_layers
 from training.config import TrainConfig
 from training.data import pack, read_documents, split_documents
 from training.model import build_llama
+from training.offload import CPUOffloadAdamW
+from training.plan import (
+    MemoryPlan,
+    embedding_grad_bytes,
+    loss_bytes,
+    optimizer_bytes,
+    optimizer_temp_bytes,
+    settled_bytes,
+)
+from training.precision import Precision
 from training.tokenizer import document_texts, train_bpe
 
 
@@ -94,10 +107,53 @@ def get_model(cfg: TrainConfig, tokenizer, resume_from: Path | None, device: tor
     model.config.use_cache = False
     if cfg.lora or cfg.qlora:
         model = add_lora(model, cfg, resume_from)
-    if cfg.checkpointing != "none":
-        every = 1 if cfg.checkpointing == "full" else cfg.checkpoint_every_k
-        model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every)
     return model
+
+
+def plan_checkpointing(model, cfg: TrainConfig, run_forward: Callable[[], torch.Tensor] | None,
+                       prec: Precision, device: torch.device, verbose: bool = False) -> MemoryPlan | None:
+    """Checkpoint the layers the recipe asks for; with `run_forward` (a micro-batch's loss) first probe each
+    layer's saved bytes and time: `checkpointing: auto` picks its layers from that, and the memory plan
+    is built from it. Returns the plan when probed."""
+    if cfg.checkpointing == "none" and run_forward is None:
+        return None
+    n = len(find_decoder_layers(model))
+    chosen = {"none": [], "full": list(range(n)),
+              "every_k": [i for i in range(n) if i % cfg.checkpoint_every_k == 0]}.get(cfg.checkpointing, [])
+    mlp_chosen: list[int] = []
+    plan = None
+    if run_forward is not None:
+        def forward() -> torch.Tensor:
+            with prec.autocast():
+                return run_forward()
+
+        costs, other = probe_layers(model, forward)
+        base = settled_bytes(device)
+        activations = other + sum(c.boundary_bytes if c.index in chosen else c.saved_bytes for c in costs)
+        if cfg.checkpointing == "auto":
+            choice = choose_checkpointing(costs, other, parse_size(cfg.activation_budget, "activation_budget"))
+            chosen, mlp_chosen, activations = choice.layers, choice.mlp_layers, choice.predicted_bytes
+            if verbose:
+                print("checkpointing: auto\n" + choice.table(), flush=True)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        head = model.get_output_embeddings().weight
+        if cfg.offload_activations != "none":
+            activations = 0  # spilled (disk) or moved off the device (cpu); only tensors under 1 MiB stay
+        plan = MemoryPlan(
+            base=base, parameters=sum(p.numel() * p.element_size() for p in model.parameters()),
+            gradients=sum(p.numel() * p.element_size() for p in trainable),
+            optimizer_state=optimizer_bytes(cfg, trainable), optimizer_on_device=cfg.optimizer_offload == "none",
+            activations=activations,
+            loss=loss_bytes(cfg, cfg.batch_size * cfg.block_size, head.shape[0], prec.dtype is not None),
+            recompute=max([c.saved_bytes for c in costs if c.index in chosen]
+                          + [c.mlp_saved_bytes for c in costs if c.index in mlp_chosen], default=0),
+            embedding_grad=embedding_grad_bytes(model), optimizer_temp=optimizer_temp_bytes(cfg, trainable, device))
+        if verbose:
+            print("memory plan (one micro-batch of "
+                  f"{cfg.batch_size} x {cfg.block_size} tokens):\n{plan.table()}", flush=True)
+    if chosen or mlp_chosen:
+        apply_checkpointing(model, chosen, mlp_chosen)
+    return plan
 
 
 def add_lora(model, cfg: TrainConfig, resume_from: Path | None):
@@ -119,7 +175,10 @@ def add_lora(model, cfg: TrainConfig, resume_from: Path | None):
     return model
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                   carry_from: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only (frozen ones get no state). carry_from: a previous stage's
+    optimizer whose per-parameter state continues for the parameters that still train."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -131,10 +190,21 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         try:
             import bitsandbytes as bnb
 
-            return bnb.optim.AdamW8bit(groups, **kwargs)
+            opt = bnb.optim.AdamW8bit(groups, **kwargs)
         except (ImportError, RuntimeError) as e:
             raise UserError(f"optimizer=adamw8bit: bitsandbytes is not usable here ({e})") from None
-    return torch.optim.AdamW(groups, **kwargs)
+    elif cfg.optimizer_offload == "cpu":
+        if device.type == "cpu":
+            raise UserError("optimizer_offload: cpu moves AdamW state off an accelerator; this run is on the CPU, "
+                            "where the state already lives (use optimizer=adamw8bit or LoRA to shrink it)")
+        opt = CPUOffloadAdamW(groups, **kwargs)
+    else:
+        opt = torch.optim.AdamW(groups, **kwargs)
+    if carry_from is not None:
+        for p in trainable:
+            if p in carry_from.state:
+                opt.state[p] = carry_from.state[p]
+    return opt
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -23,7 +23,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from training import precision as amp
-from training.loop import token_loss_sum, train
+from training.loop import train
+from training.losses import plain_causal_lm_loss
 
 from .conftest import TINY_MODEL, assert_lora_outputs, read_metrics
 
@@ -127,7 +128,7 @@ def test_checkpointing_cuts_peak_cuda_memory_with_the_same_gradients():
         x = torch.randint(0, 320, (4, 1024), generator=torch.Generator().manual_seed(1)).to(DEVICE)
         base = _reset_peak()  # the model's weights are allocated already: the peak above them is the step's
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = token_loss_sum(model, x[:, :-1], x[:, 1:]) / x[:, 1:].numel()
+            loss = plain_causal_lm_loss(model, x[:, :-1], x[:, 1:]) / x[:, 1:].numel()
         loss.backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base

@@ -1,0 +1,82 @@
+"""The loop with the memory techniques on: chunked loss, disk offload, auto checkpointing, --plan and the report."""
+
+import json
+import math
+
+import pytest
+
+from training.cli import main
+from training.loop import train
+
+from .conftest import TINY_MODEL, read_metrics
+
+
+def _losses(cfg) -> list[float]:
+    train(cfg)
+    return [r["loss"] for r in read_metrics(cfg.output_dir)]
+
+
+def test_chunked_loss_and_disk_offload_train_like_the_plain_loss(make_cfg, tmp_path):
+    plain = _losses(make_cfg(loss="plain", output_dir=str(tmp_path / "plain")))
+    chunked = _losses(make_cfg(loss="chunked", loss_chunk_tokens=48, output_dir=str(tmp_path / "chunked")))
+    spilled = _losses(make_cfg(loss="chunked", loss_chunk_tokens=48, offload_activations="disk",
+                               checkpointing="full", output_dir=str(tmp_path / "disk")))
+    assert len(plain) == len(chunked) == len(spilled) == 6
+    for a, b, c in zip(plain, chunked, spilled, strict=True):
+        assert a == pytest.approx(b, abs=2e-4) and a == pytest.approx(c, abs=2e-4)
+    assert plain[-1] < plain[0] - 0.5
+
+
+def test_memory_report_predicts_the_static_parts(make_cfg):
+    rep = train(make_cfg(max_steps=2), memory_report=True)["memory_report"]
+    pred = rep["predicted"]
+    assert pred["parameters"] == rep["parameters"] and pred["gradients"] == rep["gradients"]
+    assert pred["optimizer_state"] == pytest.approx(rep["optimizer_state"], rel=1e-3)  # + step counters
+    assert pred["activations"] == rep["activations"] > 0
+    assert rep["peak"] > 0 and rep["peak_final"] >= rep["peak"]
+    # the tiny model's peak is the process (interpreter + torch): the plan's base dominates and lands close
+    assert pred["peak"] == pytest.approx(rep["peak_final"], rel=0.25)
+
+
+def test_plan_prints_and_trains_nothing(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    args = [f"model_config={json.dumps(TINY_MODEL)}", f"data={corpus}", "vocab_size=320", "block_size=32",
+            "batch_size=4", f"output_dir={out}"]
+    assert main(["--plan", *args]) == 0
+    printed = capsys.readouterr().out
+    assert "predicted peak, later steps" in printed and "activations" in printed
+    plan = json.loads(printed.strip().splitlines()[-1])["plan"]
+    assert plan["peak"] >= plan["base"] + plan["activations"] > 0
+    assert not out.exists()
+
+
+def test_checkpointing_auto_plans_under_the_budget_and_refuses_the_impossible(make_cfg, tmp_path, capsys, corpus):
+    cfg = make_cfg(checkpointing="auto", activation_budget="1GiB", max_steps=2)
+    result = train(cfg, memory_report=True)
+    assert math.isfinite(result["loss"])
+    assert "checkpointing: auto" in capsys.readouterr().out
+    args = [f"model_config={json.dumps(TINY_MODEL)}", f"data={corpus}", "vocab_size=320", "block_size=32",
+            "checkpointing=auto", "activation_budget=1KiB", f"output_dir={tmp_path / 'tight'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "activation_budget" in err and "smallest" in err
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("optimizer_offload=cpu", "this run is on the CPU"),
+    ("offload_activations=true", "this run is on the CPU"),
+    ("checkpointing=auto", "needs activation_budget"),
+    ("loss=fused", "loss: 'fused' is not one of"),
+])
+def test_memory_options_on_bad_input_exit_2(bad, message, tmp_path, corpus, capsys):
+    args = [f"model_config={json.dumps(TINY_MODEL)}", f"data={corpus}", "vocab_size=320", "block_size=16",
+            "max_steps=1", f"output_dir={tmp_path / 'run'}", bad]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_optimizer_offload_with_an_optimizer_that_cannot_offload_exits_2(tmp_path, corpus, capsys):
+    args = [f"model_config={json.dumps(TINY_MODEL)}", f"data={corpus}", "optimizer=adamw8bit",
+            "optimizer_offload=cpu", f"output_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    assert "cannot offload" in capsys.readouterr().err
