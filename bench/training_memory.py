@@ -54,16 +54,21 @@ CONFIGS: dict[str, dict] = {
 
 
 def status_kib(field: str) -> int:
+    """VmHWM (the peak) or VmRSS of this process, in KiB, as training.plan reads them."""
+    import torch
+
     from training.plan import peak_bytes, process_bytes
 
-    fn = peak_bytes if field == "VmHWM" else process_bytes
-    return fn(__import__("torch").device("cpu")) // 1024
+    cpu = torch.device("cpu")
+    return (peak_bytes(cpu) if field == "VmHWM" else process_bytes(cpu)) // 1024
 
 
 def reset_peak() -> None:
+    import torch
+
     from training.plan import reset_peak as reset
 
-    reset(__import__("torch").device("cpu"))
+    reset(torch.device("cpu"))
 
 
 def blocks(tokenizer, seq: int, n: int):

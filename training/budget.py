@@ -23,28 +23,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from memfit.errors import UserError
+from training.model import base_model
 
 OTHER = -1  # saved outside every decoder layer: embeddings, final norm, logits, loss
 SHARED = -2  # saved by more than one owner: checkpointing any single layer does not free it
 MAX_STATES = 4096  # cap on the knapsack frontier; see _pareto
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DDP/DataParallel, torch.compile and PEFT wrappers."""
-    while True:
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        elif callable(getattr(model, "get_base_model", None)):  # PeftModel
-            model = model.get_base_model()
-        else:
-            return model
-
-
 def find_decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers: the nn.ModuleList with config.num_hidden_layers members."""
-    base = _unwrap(model)
+    base = base_model(model)
     config = getattr(base, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = getattr(text, "num_hidden_layers", None)
@@ -350,7 +338,7 @@ def apply_checkpointing(model: torch.nn.Module, layers: list[int], mlp_layers: I
     if chosen & mlp_chosen:
         raise ValueError(f"layers {sorted(chosen & mlp_chosen)} are both checkpointed whole and MLP only")
     if chosen and not all(isinstance(layer, GradientCheckpointingLayer) for layer in decoder):
-        raise UserError(f"checkpointing: auto: {type(_unwrap(model)).__name__}'s layers cannot be checkpointed "
+        raise UserError(f"checkpointing: auto: {type(base_model(model)).__name__}'s layers cannot be checkpointed "
                         "one by one; use checkpointing: full")
     if missing := sorted(i for i in mlp_chosen if _mlp(decoder[i]) is None):
         raise ValueError(f"layers {missing} have no mlp submodule to checkpoint")
@@ -358,7 +346,7 @@ def apply_checkpointing(model: torch.nn.Module, layers: list[int], mlp_layers: I
         # transformers sets each layer's checkpoint function and makes the embeddings' output require grad (so a
         # frozen base under LoRA still has a graph through the checkpoint); then we switch off the unchosen layers,
         # which the layer's forward reads on every call.
-        _unwrap(model).activation_checkpointing_enable({"use_reentrant": False})
+        base_model(model).activation_checkpointing_enable({"use_reentrant": False})
     # MLP-only needs no such hook: non-reentrant checkpointing keeps the graph to the MLP's own parameters even
     # when its input does not require grad.
     for i, layer in enumerate(decoder):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.errors import UserError
+from training.model import base_model
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 CHUNK_LOGIT_BYTES = 256 * 2**20
@@ -129,22 +130,8 @@ def plain_causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor) -
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside DDP (``.module``), torch.compile (``._orig_mod``) and PEFT wrappers."""
-    for _ in range(8):
-        if isinstance(getattr(model, "module", None), torch.nn.Module):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        elif hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        else:
-            break
-    return model
-
-
 def _parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear, float | None]:
-    base = _unwrap(model)
+    base = base_model(model)
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
     if not isinstance(decoder, torch.nn.Module):
         raise UserError(f"loss: chunked: can't find the decoder of {type(base).__name__}; set loss=plain")

@@ -1,4 +1,5 @@
-"""Build a fresh Llama from a config dict (pretraining from scratch); loading a checkpoint is memfit.hf."""
+"""Build a fresh Llama from a config dict (pretraining from scratch), and find the HF model inside the wrappers
+training puts around it; loading a checkpoint is memfit.hf."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def build_llama(model_config: dict[str, Any], tokenizer, seed: int) -> LlamaForC
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under DDP/DataParallel, torch.compile and PEFT wrappers."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)):  # PeftModel
+            model = model.get_base_model()
+        else:
+            return model
