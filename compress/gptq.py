@@ -19,17 +19,20 @@ from compress.rtn import rtn
 
 
 class Hessian:
+    """H = 2/n * sum x x^T over the n input rows seen, accumulated in place (one GEMM per batch)."""
+
     def __init__(self, cols: int) -> None:
-        self.H = torch.zeros(cols, cols)
+        self.sum = torch.zeros(cols, cols)
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        m = x.shape[0]
-        self.H *= self.n / (self.n + m)
-        self.n += m
-        x = x * (2 / self.n) ** 0.5
-        self.H += x.t() @ x
+        self.n += x.shape[0]
+        self.sum.addmm_(x.t(), x)
+
+    @property
+    def H(self) -> torch.Tensor:
+        return self.sum * (2 / max(self.n, 1))
 
 
 def _hinv_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
@@ -131,11 +134,12 @@ def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
     for n in job.linears:  # a Linear the layer never calls gets no Hessian: plain RTN
         if n not in seen:
             results[n] = rtn(job.linears[n].weight.data, job.args[n])
-    for group in groups:
-        hs = {n: Hessian(job.linears[n].in_features) for n in group}
-        job.run({n: hs[n].add for n in group}, stop_early=True)
+    for group in groups:  # the Linears of a group read one input tensor: one Hessian serves them all
+        h = Hessian(job.linears[group[0]].in_features)
+        job.run({group[0]: h.add}, stop_early=True)
+        H = h.H
         for n in group:
             mod = job.linears[n]
-            results[n] = gptq(mod.weight.data, hs[n].H, job.args[n], act_order=act_order)
+            results[n] = gptq(mod.weight.data, H, job.args[n], act_order=act_order)
             mod.weight.data = results[n].dequantize().to(mod.weight.dtype)
     return results

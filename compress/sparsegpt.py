@@ -85,9 +85,10 @@ def sparsegpt(w: torch.Tensor, H: torch.Tensor, sparsity: float = 0.0, nm: tuple
 
 
 def _hessians(job: LayerJob, group: list[str]) -> dict[str, Hessian]:
-    hs = {n: Hessian(job.linears[n].in_features) for n in group}
-    job.run({n: hs[n].add for n in group}, stop_early=True)
-    return hs
+    """One Hessian for the group's Linears: they read the same input tensor (gptq.sequential_groups)."""
+    h = Hessian(job.linears[group[0]].in_features)
+    job.run({group[0]: h.add}, stop_early=True)
+    return dict.fromkeys(group, h)
 
 
 def prune_layer(job: LayerJob) -> dict[str, torch.Tensor]:

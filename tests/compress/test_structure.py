@@ -57,6 +57,9 @@ def test_one_walk_in_the_source() -> None:
     for p in PKG.glob("*.py"):
         if p.name in ("walk.py", "skeleton.py", "calib.py"):  # skeleton / calib define some of them
             continue
+        if p.name in ("budget.py", "sensitivity.py"):  # a size budget reads the layer list of a meta model and
+            # measures on the whole fp32 model (no layer walk, nothing written but its JSON)
+            continue
         names = {n.id for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Name)}
         names |= {a.name for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom)
                   for a in n.names}
