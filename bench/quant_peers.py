@@ -131,7 +131,7 @@ def install(names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def run(peer: str, model: Path, calib: Path, bits: int, group_size: int, out: Path, iters: int | None = None,
-        threads: int = 2) -> dict[str, Any]:
+        threads: int = 2, asym: bool = False) -> dict[str, Any]:
     """The peer's runner in the peer's venv; its peak RSS (wait4 rusage of the child tree) is added to peer.json."""
     py = _venv_python(peer)
     if not py.exists():
@@ -140,6 +140,8 @@ def run(peer: str, model: Path, calib: Path, bits: int, group_size: int, out: Pa
             "--bits", str(bits), "--group-size", str(group_size), "--out", str(out.resolve())]
     if iters is not None:
         argv += ["--iters", str(iters)]
+    if asym:
+        argv += ["--asym"]
     env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     log = LOGS / f"run-{peer}-{out.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--out", type=Path, required=True)
     p_run.add_argument("--iters", type=int, default=None, help="AutoRound tuning steps (default: its own)")
     p_run.add_argument("--threads", type=int, default=2)
+    p_run.add_argument("--asym", action="store_true", help="asymmetric groups (llmcompressor)")
     p_cal = sub.add_parser("calib", help="write a calibration file from text files")
     p_cal.add_argument("--model", type=Path, required=True)
     p_cal.add_argument("--texts", default=None, help="glob of .txt (default: the Shakespeare training split)")
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not (args.model / "config.json").exists():
             ap.error(f"{args.model} is not an HF model dir (no config.json)")
-        meta = run(args.peer, args.model, args.calib, args.bits, args.group_size, args.out, args.iters, args.threads)
+        meta = run(args.peer, args.model, args.calib, args.bits, args.group_size, args.out, args.iters, args.threads,
+                   args.asym)
         print(json.dumps(meta, indent=2))
     except PeerError as e:
         print(f"error: {e}", file=sys.stderr)

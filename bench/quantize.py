@@ -44,8 +44,8 @@ QUALITY = [  # label, method, bits, extra args
     ("rtn-4+lm_head", "rtn", 4, ["--skip", ""]), ("gptq-4+lm_head", "gptq", 4, ["--skip", ""]),
     # GPTQ's mse clipping search, applied to both methods alike
     ("rtn-4-mse", "rtn", 4, ["--mse-clip"]), ("gptq-4-mse", "gptq", 4, ["--mse-clip"]),
-    # spread of GPTQ's ppl change: act-order, and other calibration draws (RTN has none)
-    ("gptq-4-act", "gptq", 4, ["--act-order"]), ("gptq-4-seed1", "gptq", 4, ["--seed", "1"]),
+    # spread of GPTQ's ppl change: without act-order (the default since issue 24), other calibration draws
+    ("gptq-4-noact", "gptq", 4, ["--no-act-order"]), ("gptq-4-seed1", "gptq", 4, ["--seed", "1"]),
     ("gptq-4-seed2", "gptq", 4, ["--seed", "2"]),
 ]
 QUICK = {"rtn-8", "rtn-4", "gptq-4", "nf4-bnb", "rtn-3", "gptq-3", "awq-3"}
@@ -159,7 +159,7 @@ def report(qrows: list[dict], qmeta: dict, srows: list[dict], smeta: dict, args:
                   "At 4 bits `d_ppl` is a few hundredths and of either sign by chance (any small perturbation of "
                   "the weights moves held-out perplexity up or down: in `quantize_layers.md`, replacing only the "
                   "up_proj Linears of the fp32 model by their RTN-4 copies *lowers* it by 0.10), so KL is the "
-                  "lower-noise measure of the damage. The `gptq-4-act` / `-seed1` / `-seed2` rows show the "
+                  "lower-noise measure of the damage. The `gptq-4-noact` / `-seed1` / `-seed2` rows show the "
                   "spread of GPTQ's d_ppl over act-order and calibration draws.", "",
                   format_table([{k: fmt(v) if k not in ("kl_vs_fp", "top1_agree") or not isinstance(v, float)
                                  else f"{v:.5f}" for k, v in r.items()} for r in qrows],

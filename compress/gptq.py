@@ -52,27 +52,38 @@ def _hinv_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     raise RuntimeError("GPTQ: Hessian is not positive definite even with heavy damping")
 
 
-def gptq(w: torch.Tensor, H: torch.Tensor, args: QuantArgs, blocksize: int = 128, percdamp: float = 0.01,
-         act_order: bool = False) -> Quantized:
-    """Quantize weight w (out, in) given the input Hessian H (in, in)."""
-    W = w.detach().float().clone()
+Prepared = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]  # (Hinv upper factor, column order, dead columns)
+
+
+def prepare(H: torch.Tensor, percdamp: float = 0.01, act_order: bool = False) -> Prepared:
+    """What gptq needs from H alone: the Linears of a group share it, so it is computed once per group."""
     H = H.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        H = H[perm][:, perm]
+    return _hinv_upper(H, percdamp), perm, dead
+
+
+def gptq(w: torch.Tensor, H: torch.Tensor, args: QuantArgs, blocksize: int = 128, percdamp: float = 0.01,
+         act_order: bool = False, prepared: Prepared | None = None) -> Quantized:
+    """Quantize weight w (out, in) given the input Hessian H (in, in); `prepared`: prepare(H, percdamp, act_order)
+    already computed (then percdamp and act_order are its)."""
+    Hinv, perm, dead = prepared if prepared is not None else prepare(H, percdamp, act_order)
+    W = w.detach().float().clone()
     out, cols = W.shape
     g = args.group_size
     ng = cols // g
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
     W[:, dead] = 0
     scale = torch.zeros(out, ng)
     zero = torch.zeros(out, ng)
-    perm = None
-    if act_order:  # static groups: parameters from the original weight, before any error feedback
-        s, z = qparams(W.view(out, ng, g), args)
-        scale, zero = s, z
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
-    Hinv = _hinv_upper(H, percdamp)
+    if perm is not None:  # static groups: parameters from the original weight, before any error feedback
+        scale, zero = qparams(W.view(out, ng, g), args)
+        W = W[:, perm]
     blocksize = max(blocksize // g, 1) * g if g <= blocksize else g
+    group_of = (perm // g).tolist() if perm is not None else None  # act-order: each column's (static) group
     Q = torch.zeros_like(W)
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
@@ -82,8 +93,8 @@ def gptq(w: torch.Tensor, H: torch.Tensor, args: QuantArgs, blocksize: int = 128
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if perm is not None:
-                gi = int(perm[col]) // g
+            if group_of is not None:
+                gi = group_of[col]
             else:
                 gi = col // g
                 if col % g == 0:  # groups never straddle blocks (blocksize is a multiple of g)
@@ -94,7 +105,7 @@ def gptq(w: torch.Tensor, H: torch.Tensor, args: QuantArgs, blocksize: int = 128
             q = quantize_codes(wcol, s, z, args.maxq)
             Q1[:, i] = q
             err = (wcol - (q - z) * s) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # the rank-1 error update, in place
             Err1[:, i] = err
         Q[:, i1:i2] = Q1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
@@ -138,8 +149,9 @@ def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
         h = Hessian(job.linears[group[0]].in_features)
         job.run({group[0]: h.add}, stop_early=True)
         H = h.H
+        prepared = prepare(H, act_order=act_order)
         for n in group:
             mod = job.linears[n]
-            results[n] = gptq(mod.weight.data, H, job.args[n], act_order=act_order)
+            results[n] = gptq(mod.weight.data, H, job.args[n], prepared=prepared)
             mod.weight.data = results[n].dequantize().to(mod.weight.dtype)
     return results

@@ -35,6 +35,7 @@ def args(description: str) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--asym", action="store_true", help="asymmetric groups (zero points), where the peer has them")
     return ap.parse_args()
 
 

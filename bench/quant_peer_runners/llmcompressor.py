@@ -33,15 +33,16 @@ def main() -> None:
     orig = originals(model)
     n, seqlen = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-    if (a.bits, a.group_size) == (4, 128):
+    if (a.bits, a.group_size, a.asym) == (4, 128, False):
         gptq = GPTQModifier(targets=TARGETS, scheme="W4A16", ignore=["lm_head"])
         scheme = "W4A16 preset"
     else:
-        weights = QuantizationArgs(num_bits=a.bits, type="int", symmetric=True, strategy="group",
+        weights = QuantizationArgs(num_bits=a.bits, type="int", symmetric=not a.asym, strategy="group",
                                    group_size=a.group_size)
         gptq = GPTQModifier(config_groups={"group_0": QuantizationScheme(targets=TARGETS, weights=weights)},
                             ignore=["lm_head"])
-        scheme = f"custom config_groups: int{a.bits} symmetric group {a.group_size} (W4A16 with num_bits changed)"
+        scheme = (f"custom config_groups: int{a.bits} {'asymmetric' if a.asym else 'symmetric'} group "
+                  f"{a.group_size} (W4A16 with num_bits/symmetric changed)")
     with Timer() as t:
         oneshot(model=model, dataset=ds, recipe=gptq, num_calibration_samples=n, max_seq_length=seqlen,
                 shuffle_calibration_samples=False, pipeline="sequential")
@@ -56,7 +57,7 @@ def main() -> None:
                               if k.rsplit(".", 1)[0] in quantized)
     meta = {"peer": "llmcompressor", "version": version("llmcompressor"), "bits": a.bits,
             "group_size": a.group_size,
-            "method": {"algorithm": "GPTQ", "scheme": scheme, "sym": True, "block_size": gptq.block_size,
+            "method": {"algorithm": "GPTQ", "scheme": scheme, "sym": not a.asym, "block_size": gptq.block_size,
                        "dampening_frac": gptq.dampening_frac, "actorder": str(gptq.actorder),
                        "pipeline": "sequential", "compressed_tensors": version("compressed-tensors")},
             "quant_seconds": t.seconds, "quant_peak_rss_bytes": t.peak_rss, "packed_bytes": packed,
