@@ -77,6 +77,8 @@ VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
     # the size budget at memfit-gptq-4's tensor bytes: mixed widths chosen by measured sensitivity (bits 0: no --bits)
     "memfit-gptq-mixed@4": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4", "--sensitivity-tokens", "512",
                                                        "--sensitivity", str(WORK / "sensitivity.json")]),
+    "memfit-gptq-mixed@3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-3", "--sensitivity-tokens", "512",
+                                                       "--sensitivity", str(WORK / "sensitivity.json")]),
 }
 
 

@@ -32,10 +32,11 @@ def targets(rows: dict[str, dict[str, Any]], variants: dict) -> list[tuple[str, 
     if g and r and "kl" in g and "kl" in r:
         out.append(("4-bit: GPTQ KL <= 0.6x RTN's", f"{g['kl']:.4f} vs {r['kl']:.4f} ({g['kl'] / r['kl']:.2f}x)",
                     g["kl"] <= 0.6 * r["kl"]))
-    mixed, uni = rows.get("memfit-gptq-mixed@4"), rows.get("memfit-gptq-4")
-    if mixed and uni and "kl" in mixed and "kl" in uni:
-        out.append(("size budget at uniform GPTQ-4's bytes: KL <= uniform's", f"{mixed['kl']:.4f} vs "
-                    f"{uni['kl']:.4f} ({mixed['kl'] / uni['kl']:.2f}x)", mixed["kl"] <= uni["kl"]))
+    for bits in (4, 3):
+        mixed, uni = rows.get(f"memfit-gptq-mixed@{bits}"), rows.get(f"memfit-gptq-{bits}")
+        if mixed and uni and "kl" in mixed and "kl" in uni:
+            out.append((f"size budget at uniform GPTQ-{bits}'s bytes: KL <= uniform's", f"{mixed['kl']:.4f} vs "
+                        f"{uni['kl']:.4f} ({mixed['kl'] / uni['kl']:.2f}x)", mixed["kl"] <= uni["kl"]))
     for bits in (4,):  # the 3-bit rows ran beside a CI run (see the note above the table): not timed fairly
         g, lc = rows.get(f"memfit-gptq-{bits}"), rows.get(f"llmcompressor-gptq-{bits}")
         if g and lc and "quant_seconds" in g and lc.get("quant_seconds"):
