@@ -154,25 +154,30 @@ def _install_transformers(log: Path) -> dict[str, Any]:
 INSTALLERS = {"vllm": _install_vllm, "llamacpp": _install_llamacpp, "transformers": _install_transformers}
 
 
-def load_status() -> dict[str, dict[str, Any]]:
-    path = PEERS / "status.json"
+def load_status(home: Path = PEERS) -> dict[str, dict[str, Any]]:
+    path = home / "status.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def install(names: list[str]) -> dict[str, dict[str, Any]]:
-    """Install each peer (skipping those with a stamp); a failure is recorded and the next peer goes on."""
-    status = load_status()
+def install(names: list[str], installers: dict[str, Any] | None = None, home: Path = PEERS,
+            tag: str = "peers") -> dict[str, dict[str, Any]]:
+    """Install each peer (skipping those with a stamp under home/NAME); a failure is recorded in
+    home/status.json and the next peer goes on. installers[name](log) -> the entry (bench/quant_peers.py
+    passes its own, and its home)."""
+    installers = INSTALLERS if installers is None else installers
+    status = load_status(home)
     for name in names:
-        stamp = PEERS / name / ".installed.json"
+        stamp = home / name / ".installed.json"
         if stamp.exists():
             status[name] = json.loads(stamp.read_text())
-            print(f"[peers] {name}: installed ({status[name]['version']}), skipping", flush=True)
+            print(f"[{tag}] {name}: installed ({status[name]['version']}), skipping", flush=True)
             continue
-        log = LOGS / f"install-{name}.log"
-        print(f"[peers] {name}: installing (log: {log.relative_to(ROOT)})", flush=True)
+        log = home / "logs" / f"install-{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[{tag}] {name}: installing (log: {log.relative_to(ROOT)})", flush=True)
         t0 = time.monotonic()
         try:
-            entry = {"ok": True, "error": None, **INSTALLERS[name](log)}
+            entry = {"ok": True, "error": None, **installers[name](log)}
         except Exception as e:  # noqa: BLE001 - reported, then the next peer
             entry = {"ok": False, "error": str(e), "version": None, "paths": {}}
         entry.update(seconds=round(time.monotonic() - t0, 1), log=str(log.relative_to(ROOT)))
@@ -180,9 +185,10 @@ def install(names: list[str]) -> dict[str, dict[str, Any]]:
             stamp.parent.mkdir(parents=True, exist_ok=True)
             stamp.write_text(json.dumps(entry, indent=2))
         status[name] = entry
-        print(f"[peers] {name}: {'ok ' + entry['version'] if entry['ok'] else 'FAILED: ' + entry['error']}"
+        print(f"[{tag}] {name}: {'ok ' + entry['version'] if entry['ok'] else 'FAILED: ' + entry['error']}"
               f" ({entry['seconds']} s)", flush=True)
-        (PEERS / "status.json").write_text(json.dumps(status, indent=2) + "\n")
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "status.json").write_text(json.dumps(status, indent=2) + "\n")
     return status
 
 

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peers import CONSTRAINTS, NICE, OFFLINE, PeerError, _run, _why  # bench/peers.py (sys.path[0] is bench/)
+import peers  # bench/peers.py (sys.path[0] is bench/)
+from peers import CONSTRAINTS, NICE, OFFLINE, PeerError, _run, _why
 
 ROOT = Path(__file__).resolve().parents[1]
 HOME = ROOT / ".cache" / "quant_peers"
@@ -98,36 +99,12 @@ def _install(peer: str, log: Path) -> dict[str, Any]:
 
 
 def load_status() -> dict[str, dict[str, Any]]:
-    path = HOME / "status.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return peers.load_status(HOME)
 
 
 def install(names: list[str]) -> dict[str, dict[str, Any]]:
     """Install each peer (skipping those with a stamp); a failure is recorded and the next peer goes on."""
-    status = load_status()
-    for name in names:
-        stamp = HOME / name / ".installed.json"
-        if stamp.exists():
-            status[name] = json.loads(stamp.read_text())
-            print(f"[quant_peers] {name}: installed ({status[name]['version']}), skipping", flush=True)
-            continue
-        log = LOGS / f"install-{name}.log"
-        print(f"[quant_peers] {name}: installing (log: {log.relative_to(ROOT)})", flush=True)
-        t0 = time.monotonic()
-        try:
-            entry = {"ok": True, "error": None, **_install(name, log)}
-        except Exception as e:  # noqa: BLE001 - reported, then the next peer
-            entry = {"ok": False, "error": str(e), "version": None}
-        entry.update(seconds=round(time.monotonic() - t0, 1), log=str(log.relative_to(ROOT)))
-        if entry["ok"]:
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            stamp.write_text(json.dumps(entry, indent=2))
-        status[name] = entry
-        print(f"[quant_peers] {name}: {'ok ' + entry['version'] if entry['ok'] else 'FAILED: ' + entry['error']}"
-              f" ({entry['seconds']} s)", flush=True)
-        HOME.mkdir(parents=True, exist_ok=True)
-        (HOME / "status.json").write_text(json.dumps(status, indent=2) + "\n")
-    return status
+    return peers.install(names, {n: lambda log, n=n: _install(n, log) for n in names}, HOME, "quant_peers")
 
 
 def run(peer: str, model: Path, calib: Path, bits: int, group_size: int, out: Path, iters: int | None = None,
