@@ -195,10 +195,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _tokens(a: argparse.Namespace) -> torch.Tensor:
-    files = calib.expand(a.calib, "--calib") if a.calib else calib.default_calib_files()
-    if not files:
-        raise UserError("a size budget measures sensitivities on calibration text: pass --calib FILES (the "
-                        f"default, {calib.SHAKESPEARE}, is missing: python -m training.shakespeare)")
+    files = calib.calibration_files("a size budget (its sensitivity measurement)", a.calib)
     n, seqlen = a.sensitivity_tokens, a.calib_seqlen
     tok = load_tokenizer(a.model, a.trust_remote_code)
     return calib.calibration_tokens(tok, files, a.calib_samples, seqlen, a.seed)[: math.ceil(n / seqlen), :n]

@@ -71,13 +71,14 @@ def expand(paths: list[str | Path], what: str) -> list[Path]:
     return files
 
 
-def calibration_files(method: str, paths: list[str] | None) -> list[Path]:
-    """--calib FILES, or the default Shakespeare training split; a clear error when neither exists."""
+def calibration_files(who: str, paths: list[str] | None) -> list[Path]:
+    """--calib FILES, or the default Shakespeare training split; a clear error naming `who` needs them (e.g.
+    "method gptq") when neither exists."""
     if paths:
         return expand(paths, "--calib")
     files = default_calib_files()
     if not files:
-        raise UserError(f"method {method} needs calibration text: pass --calib FILES (the default, "
+        raise UserError(f"{who} needs calibration text: pass --calib FILES (the default, "
                         f"{SHAKESPEARE}, is missing: python -m training.shakespeare)")
     print(f"calibration: {len(files)} default files from {SHAKESPEARE}", file=sys.stderr)
     return files

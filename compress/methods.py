@@ -48,7 +48,7 @@ class Method:
         FILES or the default corpus (a UserError naming the method when neither exists)."""
         if not self.calibrated:
             return None
-        return Calibration(tuple(calibration_files(self.name, files)), samples, seqlen, seed)
+        return Calibration(tuple(calibration_files(f"method {self.name}", files)), samples, seqlen, seed)
 
 
 _ALL = (

@@ -65,6 +65,14 @@ def originals(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: m.weight.detach().clone() for n, m in decoder_linears(model).items()}
 
 
+def start(description: str) -> tuple[argparse.Namespace, PreTrainedModel, torch.Tensor, dict[str, torch.Tensor]]:
+    """What every calibrated runner begins with: its arguments, the fp32 model, the calibration ids and the
+    original decoder-Linear weights (for `write`'s checks)."""
+    a = args(description)
+    model = load_model(a.model)
+    return a, model, load_calib(a.calib), originals(model)
+
+
 def version(dist: str) -> str:
     return importlib.metadata.version(dist)
 

@@ -19,7 +19,7 @@ sys.path.pop(0)
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from auto_round import AutoRound
-from quant_peer_runners._common import Timer, args, decoder_linears, load_calib, load_model, originals, version, write
+from quant_peer_runners._common import Timer, decoder_linears, start, version, write
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
@@ -27,10 +27,7 @@ DEFAULT_ITERS = 200  # SignRoundConfig(iters=200) in auto-round 0.16.1
 
 
 def main() -> None:
-    a = args(__doc__ or "")
-    model = load_model(a.model)
-    ids = load_calib(a.calib)
-    orig = originals(model)
+    a, model, ids, orig = start(__doc__ or "")
     n, seqlen = ids.shape
     rows = [{"input_ids": r[None], "attention_mask": r[None].new_ones(r[None].shape)} for r in ids]
     iters = DEFAULT_ITERS if a.iters is None else a.iters

@@ -20,17 +20,14 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
-from quant_peer_runners._common import Timer, args, decoder_linears, load_calib, load_model, originals, version, write
+from quant_peer_runners._common import Timer, decoder_linears, start, version, write
 from safetensors import safe_open
 
 TARGETS = [r"re:.*layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj$"]
 
 
 def main() -> None:
-    a = args(__doc__ or "")
-    model = load_model(a.model)
-    ids = load_calib(a.calib)
-    orig = originals(model)
+    a, model, ids, orig = start(__doc__ or "")
     n, seqlen = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     if (a.bits, a.group_size, a.asym) == (4, 128, False):
