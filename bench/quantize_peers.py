@@ -1,7 +1,7 @@
 """memfit's quantizers side by side with llm-compressor, AutoRound, HQQ and bitsandbytes on a real model.
 
     python bench/quantize_peers.py [--model .cache/models/gemma3-270m] [--only LABEL ...] [--eval-tokens 4096]
-        [--autoround-iters 50] [--redo LABEL ...]
+        [--autoround-iters 50] [--redo LABEL ...] [--rounds N]
 
 Every variant quantizes the decoder-layer Linears only (q/k/v/o/gate/up/down_proj; embeddings and lm_head stay
 as they are) from the same fp32 HF dir, calibrated methods on the same 128 x 512 calibration tokens (drawn by
@@ -16,6 +16,8 @@ Size: bytes of the packed quantized Linear tensors (codes, scales, zero points) 
 (memfit: our compressed-tensors file; peers: the packed size their runner reports), as bits per weight.
 Time: quantization wall time (memfit: the CLI run; peers: the runner's quantize call), peak RSS of the process.
 
+--rounds N quantizes each selected variant N times, interleaved (round 1 of every variant, then round 2, ...),
+and reports the median time with every round's time beside it: this host is shared and noisy.
 Each variant's result is cached in .cache/bench/quantize_peers/LABEL/result.json, so an interrupted run resumes
 (--redo LABEL measures one again). Writes bench/results/quantize_peers.md, .json and .png.
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import resource
 import subprocess
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress import calib, evaluate  # noqa: E402
-from compress.evaluate import host_isa  # noqa: E402
+from compress.evaluate import cpu_model, host_isa  # noqa: E402
 from compress.store import WeightSource  # noqa: E402
 
 WORK = ROOT / ".cache" / "bench" / "quantize_peers"
@@ -79,7 +80,31 @@ VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
                                                        "--sensitivity", str(WORK / "sensitivity.json")]),
     "memfit-gptq-mixed@3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-3", "--sensitivity-tokens", "512",
                                                        "--sensitivity", str(WORK / "sensitivity.json")]),
+    # the size budget at the best peer's own bits per weight: memfit-gptq-4's file with its quantized Linears
+    # at the peer's packed bytes (the issue's "same bits per weight", with no slack; the rest of the file, fp16
+    # embedding and norms, is the same at every width)
+    "memfit-gptq-mixed=llmcompressor-4-asym": ("memfit", "gptq", 0, 128, [
+        "--max-size", "@memfit-gptq-4%llmcompressor-gptq-4-asym", "--sensitivity-tokens", "512",
+        "--sensitivity", str(WORK / "sensitivity.json")]),
+    "memfit-gptq-mixed=autoround-3": ("memfit", "gptq", 0, 128, [
+        "--max-size", "@memfit-gptq-4%autoround-3", "--sensitivity-tokens", "512",
+        "--sensitivity", str(WORK / "sensitivity.json")]),
 }
+
+
+def this_host() -> str:
+    """What a result row records of where it was measured (cached rows can come from an earlier boot)."""
+    return f"{cpu_model()} ({host_isa()}), {time.strftime('%Y-%m-%d', time.gmtime())}"
+
+
+def budget_bytes(ref: str) -> int:
+    """`@LABEL`: LABEL's tensor bytes; `@LABEL%PEER`: the same with LABEL's packed Linears at PEER's packed bytes."""
+    label, _, peer = ref[1:].partition("%")
+    size = tensor_bytes(WORK / label / "model")
+    if peer:
+        peer_packed = json.loads((WORK / peer / "result.json").read_text())["packed_bytes"]
+        size += peer_packed - packed_bytes(WORK / label / "model")
+    return size
 
 
 def tensor_bytes(model: Path) -> int:
@@ -114,7 +139,7 @@ def quantize(label: str, model: Path, calib_file: Path, autoround_iters: int) ->
     out = WORK / label / "model"
     log = WORK / label / "quantize.log"
     if tool == "memfit":
-        extra = [str(tensor_bytes(WORK / x[1:] / "model")) if x.startswith("@") else x for x in extra]
+        extra = [str(budget_bytes(x)) if x.startswith("@") else x for x in extra]
         argv = [sys.executable, "-m", "compress", "quantize", str(model), "-o", str(out), "--overwrite",
                 "--method", method, *(["--bits", str(bits)] if bits else []), "--group-size", str(group), *extra]
         if method in ("gptq", "awq"):
@@ -194,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--autoround-iters", type=int, default=50)
     ap.add_argument("--report-only", action="store_true", help="write the report from the cached results")
+    ap.add_argument("--rounds", type=int, default=1, help="quantize each variant this many times, interleaved; "
+                    "the median time is reported")
     a = ap.parse_args(argv)
     if not (a.model / "config.json").is_file():
         print(f"{a.model}: no model (make real-model)", file=sys.stderr)
@@ -212,24 +239,36 @@ def main(argv: list[str] | None = None) -> int:
     tokens, bos = calib.eval_tokens(tok, calib.default_eval_files(), a.eval_tokens), calib.bos_id(tok)
     ref = None
     n_w = n_quantized_weights(a.model)
-    for label in labels if not a.report_only else []:
+    todo = [x for x in labels if not (WORK / x / "result.json").exists() or x in a.redo]
+    runs: dict[str, list[dict[str, Any]]] = {x: [] for x in todo}
+    for r in range(a.rounds if not a.report_only else 0):  # interleaved: every variant once per round
+        for label in todo:
+            if runs[label] and "failed" in runs[label][-1]:
+                continue
+            print(f"[quantize_peers] {label}: quantizing (round {r + 1}/{a.rounds})", flush=True)
+            try:
+                runs[label].append(quantize(label, a.model, calib_file, a.autoround_iters))
+            except Exception as e:  # recorded, the rest go on
+                print(f"[quantize_peers] {label}: FAILED {e}", flush=True)
+                runs[label].append({"failed": str(e)})
+    for label in todo if not a.report_only else []:
         res_file = WORK / label / "result.json"
-        if res_file.exists() and label not in a.redo:
+        res_file.parent.mkdir(parents=True, exist_ok=True)
+        if "failed" in runs[label][-1]:
+            res_file.write_text(json.dumps({"label": label, **runs[label][-1]}, indent=2))
             continue
-        print(f"[quantize_peers] {label}: quantizing", flush=True)
-        try:
-            res = quantize(label, a.model, calib_file, a.autoround_iters)
-        except Exception as e:  # recorded, the rest go on
-            print(f"[quantize_peers] {label}: FAILED {e}", flush=True)
-            res_file.parent.mkdir(parents=True, exist_ok=True)
-            res_file.write_text(json.dumps({"label": label, "failed": str(e)}, indent=2))
-            continue
+        res = dict(runs[label][-1])  # the last round's output is the one scored (every round writes the same)
+        if len(runs[label]) > 1:
+            times = sorted(x["quant_seconds"] for x in runs[label])
+            res.update(quant_seconds=times[len(times) // 2],
+                       quant_seconds_rounds=[x["quant_seconds"] for x in runs[label]],
+                       peak_rss_bytes=max(x["peak_rss_bytes"] or 0 for x in runs[label]))
         if ref is None:
             print("[quantize_peers] fp32 reference logits", flush=True)
             ref = reference(a.model, tokens, bos)
         m = load_eval_model(label)
         res.update(score(m, *ref), label=label, bits_per_weight=res["packed_bytes"] * 8 / n_w
-                   if res.get("packed_bytes") else None)
+                   if res.get("packed_bytes") else None, host=this_host())
         del m
         res_file.write_text(json.dumps(res, indent=2))
         print(f"[quantize_peers] {label}: KL {res['kl']:.4f} top1 {res['top1']:.4f} ppl {res['ppl']:.3f} "
@@ -254,7 +293,7 @@ def report(a: argparse.Namespace, n_w: int) -> None:
         if f.exists():
             rows.append({"label": label, **json.loads(f.read_text())})
     fp = json.loads((WORK / "fp32.json").read_text())
-    host = {"cpu": platform.processor() or platform.machine(), "isa": host_isa(), "threads": 2,
+    host = {"cpu": cpu_model(), "isa": host_isa(), "threads": 2,
             "torch": torch.__version__, "max_rss_bench": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     write_report(rows, fp, VARIANTS, a, n_w, fp["tokens"], host, RESULTS)
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from compress.evaluate import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / ".cache/models/gemma3-270m"
@@ -216,14 +217,6 @@ def run_worker(spec: dict, args) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def host() -> str:
-    try:
-        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"{model}, {os.cpu_count()} CPUs"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4)
@@ -278,7 +271,8 @@ def summarize(results: dict[str, list[dict]], loss: dict, auto: dict) -> dict:
 def write(summary: dict, args) -> None:
     rows, loss, auto = summary["rows"], summary["loss"], summary["auto"]
     lines = [f"Gemma 3 270M (fp32 weights from the Q4_K_M GGUF), batch {args.batch} x {args.seq} tokens, fp32, "
-             f"{args.threads} threads, {args.steps} steps per configuration, {args.rounds} round(s); host: {host()}; "
+             f"{args.threads} threads, {args.steps} steps per configuration, {args.rounds} round(s); "
+             f"host: {cpu_model()}; "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
              "| configuration | peak RSS (GiB) | step (s) | peak / Trainer's | step / Trainer's "
              "| plan's peak / measured |",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -69,6 +71,16 @@ def kl_against(m: nn.Module, ref: list[tuple[torch.Tensor, torch.Tensor]]) -> tu
         agree += (lp.argmax(-1) == lq.argmax(-1)).sum().item()
         count += lp.shape[0] * lp.shape[1]
     return kl / count, agree / count
+
+
+def cpu_model() -> str:
+    """The CPU's model name and count ("AMD EPYC, 2 CPUs"): this host boots on different CPUs, so every
+    benchmark result records which one it ran on."""
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {os.cpu_count()} CPUs"
 
 
 def host_isa() -> str:

@@ -17,9 +17,15 @@ from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized, qparams, quantize_codes
 from compress.rtn import rtn
 
+HESSIAN_BLOCK = 512  # columns per GEMM of Hessian.add; smaller blocks skip more of the lower triangle but
+# run narrower, less efficient GEMMs
+
 
 class Hessian:
-    """H = 2/n * sum x x^T over the n input rows seen, accumulated in place (one GEMM per batch)."""
+    """H = 2/n * sum x x^T over the n input rows seen, accumulated in place.
+
+    x^T x is symmetric, so each batch adds only the column blocks on and above the diagonal (one GEMM per
+    block of HESSIAN_BLOCK columns: 5/8 of the full product's work at 2048 columns); `H` mirrors them."""
 
     def __init__(self, cols: int) -> None:
         self.sum = torch.zeros(cols, cols)
@@ -28,11 +34,14 @@ class Hessian:
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
         self.n += x.shape[0]
-        self.sum.addmm_(x.t(), x)
+        cols = x.shape[1]
+        for j0 in range(0, cols, HESSIAN_BLOCK):
+            j1 = min(j0 + HESSIAN_BLOCK, cols)
+            self.sum[:j1, j0:j1].addmm_(x[:, :j1].t(), x[:, j0:j1])
 
     @property
     def H(self) -> torch.Tensor:
-        return self.sum * (2 / max(self.n, 1))
+        return (torch.triu(self.sum) + torch.triu(self.sum, 1).t()) * (2 / max(self.n, 1))
 
 
 def _hinv_upper(H: torch.Tensor, percdamp: float) -> torch.Tensor:
@@ -154,4 +163,5 @@ def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
             mod = job.linears[n]
             results[n] = gptq(mod.weight.data, H, job.args[n], prepared=prepared)
             mod.weight.data = results[n].dequantize().to(mod.weight.dtype)
+        job.done(group)  # later passes replay the children that can no longer change
     return results

@@ -100,6 +100,7 @@ def prune_layer(job: LayerJob) -> dict[str, torch.Tensor]:
             mod = job.linears[n]
             out[n], _ = sparsegpt(mod.weight.data, hs[n].H, s, nm)
             mod.weight.data = out[n]
+        job.done(group)
     for n, mod in job.linears.items():  # never called by the layer: no Hessian, magnitude
         if n not in out:
             out.update(magnitude_layer(LayerJob(job.layer, job.prefix, {n: mod}, {}, job.config, [], job.options)))
@@ -115,6 +116,7 @@ def quantize_layer(job: LayerJob) -> dict[str, Quantized]:
             mod = job.linears[n]
             _, results[n] = sparsegpt(mod.weight.data, hs[n].H, quant=job.args[n], fixed_mask=mod.weight.data == 0)
             mod.weight.data = results[n].dequantize()
+        job.done(group)
     for n, mod in job.linears.items():
         if n not in results:
             results[n] = rtn(mod.weight.data, job.args[n])  # RTN maps 0 to the zero point: zeros stay exact
