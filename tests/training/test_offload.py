@@ -42,6 +42,15 @@ def grads_of(model: torch.nn.Module, ids: torch.Tensor, ctx, autocast: bool) -> 
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _grad_tolerance(expected: dict[str, torch.Tensor], autocast: bool) -> dict[str, dict[str, float]]:
+    """fp32: equal up to summation order. bf16 autocast: on an AVX2-only EPYC the disk round trip moved the
+    embedding gradient by 5e-6 (max 0.07; two in-memory runs agree exactly), presumably another kernel path for
+    the tensors read back; a wrong or stale tensor would be off by the gradient's own size."""
+    if not autocast:
+        return {n: {"rtol": 1e-5, "atol": 1e-6} for n in expected}
+    return {n: {"rtol": 1e-3, "atol": 1e-3 * float(g.abs().max())} for n, g in expected.items()}
+
+
 @pytest.mark.parametrize("checkpointing,autocast", [(False, False), (True, False), (False, True)])
 def test_disk_offload_same_gradients_and_files_cleaned(tmp_path: Path, checkpointing: bool, autocast: bool):
     model, ids = tiny_llama(), batch()
@@ -60,8 +69,9 @@ def test_disk_offload_same_gradients_and_files_cleaned(tmp_path: Path, checkpoin
     assert sum(f.stat().st_size for f in files) == offload.bytes_offloaded
     loss.backward()
     got = {n: p.grad for n, p in model.named_parameters()}
+    tolerance = _grad_tolerance(expected, autocast)
     for name, g in expected.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], g, **tolerance[name], msg=name)
     del loss
     gc.collect()
     assert list(spill.iterdir()) == []
@@ -69,7 +79,7 @@ def test_disk_offload_same_gradients_and_files_cleaned(tmp_path: Path, checkpoin
     # the same object serves the next forward (the loop enters it once per micro-batch)
     again = grads_of(model, ids, offload, autocast)
     for name, g in expected.items():
-        torch.testing.assert_close(again[name], g, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(again[name], g, **tolerance[name], msg=name)
     gc.collect()
     assert list(spill.iterdir()) == []
 
