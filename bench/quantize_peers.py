@@ -47,6 +47,8 @@ from compress.store import WeightSource  # noqa: E402
 WORK = ROOT / ".cache" / "bench" / "quantize_peers"
 RESULTS = ROOT / "bench" / "results"
 SEQLEN = 512
+# the size-budget rows: one sensitivity measurement (512 tokens, the CLI default) cached for all of them
+SENSITIVITY = ["--sensitivity-tokens", "512", "--sensitivity", str(WORK / "sensitivity.json")]
 
 # label -> (tool, method, bits, group, extra CLI args)
 VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
@@ -76,19 +78,15 @@ VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
     "memfit-gptq-4-g32": ("memfit", "gptq", 4, 32, []),
     "llmcompressor-gptq-4-g32": ("peer", "llmcompressor", 4, 32, []),
     # the size budget at memfit-gptq-4's tensor bytes: mixed widths chosen by measured sensitivity (bits 0: no --bits)
-    "memfit-gptq-mixed@4": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4", "--sensitivity-tokens", "512",
-                                                       "--sensitivity", str(WORK / "sensitivity.json")]),
-    "memfit-gptq-mixed@3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-3", "--sensitivity-tokens", "512",
-                                                       "--sensitivity", str(WORK / "sensitivity.json")]),
+    "memfit-gptq-mixed@4": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4", *SENSITIVITY]),
+    "memfit-gptq-mixed@3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-3", *SENSITIVITY]),
     # the size budget at the best peer's own bits per weight: memfit-gptq-4's file with its quantized Linears
     # at the peer's packed bytes (the issue's "same bits per weight", with no slack; the rest of the file, fp16
     # embedding and norms, is the same at every width)
     "memfit-gptq-mixed=llmcompressor-4-asym": ("memfit", "gptq", 0, 128, [
-        "--max-size", "@memfit-gptq-4%llmcompressor-gptq-4-asym", "--sensitivity-tokens", "512",
-        "--sensitivity", str(WORK / "sensitivity.json")]),
-    "memfit-gptq-mixed=autoround-3": ("memfit", "gptq", 0, 128, [
-        "--max-size", "@memfit-gptq-4%autoround-3", "--sensitivity-tokens", "512",
-        "--sensitivity", str(WORK / "sensitivity.json")]),
+        "--max-size", "@memfit-gptq-4%llmcompressor-gptq-4-asym", *SENSITIVITY]),
+    "memfit-gptq-mixed=autoround-3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4%autoround-3",
+                                                                 *SENSITIVITY]),
 }
 
 
@@ -222,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="quantize each variant this many times, interleaved; "
                     "the median time is reported")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        print(f"--rounds must be >= 1, got {a.rounds}", file=sys.stderr)
+        return 2
     if not (a.model / "config.json").is_file():
         print(f"{a.model}: no model (make real-model)", file=sys.stderr)
         return 2
@@ -293,7 +294,7 @@ def report(a: argparse.Namespace, n_w: int) -> None:
         if f.exists():
             rows.append({"label": label, **json.loads(f.read_text())})
     fp = json.loads((WORK / "fp32.json").read_text())
-    host = {"cpu": cpu_model(), "isa": host_isa(), "threads": 2,
+    host = {"cpu": cpu_model(), "isa": host_isa(), "run": this_host(), "threads": 2,
             "torch": torch.__version__, "max_rss_bench": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
     write_report(rows, fp, VARIANTS, a, n_w, fp["tokens"], host, RESULTS)
 

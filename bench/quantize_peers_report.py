@@ -87,7 +87,7 @@ def plot(rows: list[dict[str, Any]], fp: dict[str, float], path: Path) -> None:
 
 def write_report(rows: list[dict[str, Any]], fp: dict[str, float], variants: dict, a: argparse.Namespace, n_w: int,
                  n_tokens: int, host: dict[str, Any], results: Path) -> None:
-    now = f"{host['cpu']} ({host['isa']}), {time.strftime('%Y-%m-%d', time.gmtime())}"
+    now = host["run"]  # what this run's rows record as their host (quantize_peers.this_host)
     rows = [{**r, "host": r.get("host") or now} for r in rows]  # a row measured by this run may predate `host`
     runs = sorted({r["host"] for r in rows}, key=lambda h: (h == now, h))
     letter = {h: "ABCDEFGH"[i] for i, h in enumerate(runs)}

@@ -87,8 +87,9 @@ class LayerJob:
                     self.memo[_name] = None
                 return out
 
+            own = mod.__dict__.get("forward")  # an instance forward someone else set (accelerate's hooks) stays
             mod.forward = forward
-            undo.append(lambda m=mod: delattr(m, "forward"))
+            undo.append(lambda m=mod, own=own: setattr(m, "forward", own) if own is not None else delattr(m, "forward"))
         return undo
 
     def run(self, hooks: dict[str, Callable[[torch.Tensor], None]] | None = None,

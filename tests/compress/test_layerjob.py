@@ -83,3 +83,13 @@ def test_a_child_called_twice_is_never_replayed() -> None:
     assert all(torch.equal(a, b) for a, b in zip(job.run(), want, strict=True))
     assert job.memo["block"] is None
     assert all(torch.equal(a, b) for a, b in zip(job.run(), want, strict=True))
+
+
+def test_an_instance_forward_set_by_someone_else_survives_a_run() -> None:
+    layer = _Twice()
+    inner = layer.block.forward  # the bound method, set as an instance attribute (as accelerate's hooks do)
+    layer.block.forward = inner
+    job = LayerJob(layer, "l.", {"block.0": layer.block[0]}, {}, None, [((torch.randn(3, 8),), {})])
+    job.done(["block.0"])
+    job.run()
+    assert layer.block.__dict__["forward"] is inner
