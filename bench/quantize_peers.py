@@ -53,12 +53,13 @@ SENSITIVITY = ["--sensitivity-tokens", "512", "--sensitivity", str(WORK / "sensi
 # label -> (tool, method, bits, group, extra CLI args)
 VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
     "memfit-rtn-4": ("memfit", "rtn", 4, 128, []),
-    "memfit-gptq-4": ("memfit", "gptq", 4, 128, []),  # the default: asymmetric, act-order
-    "memfit-gptq-4-noact": ("memfit", "gptq", 4, 128, ["--no-act-order"]),
-    "memfit-gptq-4-sym": ("memfit", "gptq", 4, 128, ["--sym"]),
-    "memfit-gptq-4-sym-noact": ("memfit", "gptq", 4, 128, ["--sym", "--no-act-order"]),
+    "memfit-rtn-4-clip": ("memfit", "rtn", 4, 128, ["--mse-clip"]),
+    "memfit-gptq-4": ("memfit", "gptq", 4, 128, []),  # the default: asymmetric, act-order, clipping search
+    "memfit-gptq-4-noclip": ("memfit", "gptq", 4, 128, ["--no-mse-clip"]),
+    "memfit-gptq-4-noact": ("memfit", "gptq", 4, 128, ["--no-act-order", "--no-mse-clip"]),
+    "memfit-gptq-4-sym": ("memfit", "gptq", 4, 128, ["--sym", "--no-mse-clip"]),
+    "memfit-gptq-4-sym-noact": ("memfit", "gptq", 4, 128, ["--sym", "--no-act-order", "--no-mse-clip"]),
     "memfit-gptq-4-sym-mse": ("memfit", "gptq", 4, 128, ["--sym", "--mse-clip"]),
-    "memfit-gptq-4-mse": ("memfit", "gptq", 4, 128, ["--mse-clip"]),
     "memfit-awq-4": ("memfit", "awq", 4, 128, []),
     "memfit-nf4": ("memfit", "nf4", 4, 64, []),
     "llmcompressor-gptq-4": ("peer", "llmcompressor", 4, 128, []),
@@ -67,8 +68,10 @@ VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
     "hqq-4": ("peer", "hqq", 4, 128, []),
     "bnb-nf4": ("peer", "bnb", 4, 64, []),
     "memfit-rtn-3": ("memfit", "rtn", 3, 128, []),
+    "memfit-rtn-3-clip": ("memfit", "rtn", 3, 128, ["--mse-clip"]),
     "memfit-gptq-3": ("memfit", "gptq", 3, 128, []),
-    "memfit-gptq-3-sym": ("memfit", "gptq", 3, 128, ["--sym"]),
+    "memfit-gptq-3-noclip": ("memfit", "gptq", 3, 128, ["--no-mse-clip"]),
+    "memfit-gptq-3-sym": ("memfit", "gptq", 3, 128, ["--sym", "--no-mse-clip"]),
     "memfit-gptq-3-sym-mse": ("memfit", "gptq", 3, 128, ["--sym", "--mse-clip"]),
     "memfit-awq-3": ("memfit", "awq", 3, 128, []),
     "llmcompressor-gptq-3": ("peer", "llmcompressor", 3, 128, []),
@@ -80,6 +83,10 @@ VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
     # the size budget at memfit-gptq-4's tensor bytes: mixed widths chosen by measured sensitivity (bits 0: no --bits)
     "memfit-gptq-mixed@4": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4", *SENSITIVITY]),
     "memfit-gptq-mixed@3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-3", *SENSITIVITY]),
+    "memfit-gptq-mixed@4-noclip": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4", "--no-mse-clip",
+                                                              *SENSITIVITY]),
+    "memfit-gptq-mixed@3-noclip": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-3", "--no-mse-clip",
+                                                              *SENSITIVITY]),
     # the size budget at the best peer's own bits per weight: memfit-gptq-4's file with its quantized Linears
     # at the peer's packed bytes (the issue's "same bits per weight", with no slack; the rest of the file, fp16
     # embedding and norms, is the same at every width)
@@ -87,6 +94,10 @@ VARIANTS: dict[str, tuple[str, str, int, int, list[str]]] = {
         "--max-size", "@memfit-gptq-4%llmcompressor-gptq-4-asym", *SENSITIVITY]),
     "memfit-gptq-mixed=autoround-3": ("memfit", "gptq", 0, 128, ["--max-size", "@memfit-gptq-4%autoround-3",
                                                                  *SENSITIVITY]),
+    "memfit-gptq-mixed=llmcompressor-4-asym-noclip": ("memfit", "gptq", 0, 128, [
+        "--max-size", "@memfit-gptq-4%llmcompressor-gptq-4-asym", "--no-mse-clip", *SENSITIVITY]),
+    "memfit-gptq-mixed=autoround-3-noclip": ("memfit", "gptq", 0, 128, [
+        "--max-size", "@memfit-gptq-4%autoround-3", "--no-mse-clip", *SENSITIVITY]),
 }
 
 

@@ -23,8 +23,10 @@ def targets(rows: dict[str, dict[str, Any]], variants: dict) -> list[tuple[str, 
         peers = [r for k, r in rows.items() if variants[k][0] == "peer" and variants[k][2] == bits
                  and variants[k][3] == 128 and "kl" in r and r.get("bits_per_weight")]
         default = f"memfit-{methods.DEFAULT_QUANTIZE[bits]}-{bits}"
-        for label, what in ((default, "memfit default (asymmetric)"), (f"{default}-sym", "memfit --sym"),
-                            (f"{default}-sym-mse", "memfit --sym --mse-clip")):
+        # the settings as users get them: the clipping search is on by default, so --sym is the -sym-mse row
+        # (the -noclip, -sym and -noact rows are ablations, in the table only)
+        for label, what in ((default, "memfit default (asymmetric, clipping search)"),
+                            (f"{default}-sym-mse", "memfit --sym (clipping search)")):
             mine = rows.get(label)
             near = [p for p in peers if mine and p["bits_per_weight"] <= mine.get("bits_per_weight", 0) + BPW_SLACK]
             if mine and "kl" in mine and near:
@@ -124,7 +126,9 @@ def write_report(rows: list[dict[str, Any]], fp: dict[str, float], variants: dic
         "The `mixed@B` rows are the size budget (`--max-size` = the uniform B-bit output's tensor bytes); the "
         "`mixed=PEER` rows the same with the quantized Linears at PEER's packed bytes (its exact bits per weight). "
         "Their time includes the sensitivity measurement (512 tokens, 378 forwards) where no earlier row had "
-        "cached it. A `--rounds N` row's quant_s is the median of N interleaved rounds (all in the JSON).", "",
+        "cached it. A `--rounds N` row's quant_s is the median of N interleaved rounds (all in the JSON). memfit's "
+        "RTN and GPTQ run the per-group clipping search by default; `-noclip` rows (and `-sym`, `-noact`) turn it "
+        "off (`--no-mse-clip`), `-sym-mse` is `--sym` with it.", "",
         "`run`: where each row was measured; results are cached per row and a run re-measures only the rows it is "
         "asked to, so quant_s compare only within one run. Quality moves a little between hosts (the float order "
         "of the GEMMs differs with the ISA): rows of different runs within about 1% of each other are a tie.", "",

@@ -6,7 +6,9 @@ W ~= (q - z) * s. Symmetric: z = 2**(bits-1) and s = max|w| / ((2**bits - 1) / 2
 compressed-tensors convention). Asymmetric: s = (max - min) / (2**bits - 1), z = round(-min / s).
 With mse (GPTQ's / GPTQModel's `mse` option), the range is shrunk per (row, group) to p * [min, max], p on a
 grid 1, 0.99, ..., 0.21, choosing the p with the least sum |w - dequant(w)|**2.4: clipping a few outliers buys
-a finer step for the rest.
+a finer step for the rest. The search runs in memfit's C++ kernel (memfit/runtime/csrc/quant_search.cpp, ~15x
+the torch loop) where the kernels are built, else in torch ops (`mse_search`: same candidates; a near-tie may
+resolve the other way).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import UserError
+from memfit.runtime import kernels
 from memfit.runtime.quantized import Quantized, dequantize  # noqa: F401 - the format compress writes
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -73,6 +76,18 @@ def qparams(wg: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tens
     scale, zero = _range_params(wmin, wmax, args)
     if not args.mse:
         return scale, zero
+    ops = kernels.built()
+    if ops is not None and wg.device.type == "cpu":
+        flat = wg.reshape(-1, wg.shape[-1])
+        s, z = ops.mse_qparams(flat, args.bits, args.sym, int(MSE_MAXSHRINK * MSE_GRID), MSE_GRID, MSE_NORM)
+        return s.view(scale.shape), z.view(zero.shape)
+    return mse_search(wg, args)
+
+
+def mse_search(wg: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipping search in torch ops (the kernel's reference, and where the kernels cannot be built)."""
+    wmin, wmax = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    scale, zero = _range_params(wmin, wmax, args)
     best = torch.full_like(scale, float("inf"))
     for i in range(int(MSE_MAXSHRINK * MSE_GRID)):
         p = 1 - i / MSE_GRID

@@ -39,8 +39,9 @@ class QuantizeOptions:
     """gptq: quantize columns by decreasing Hessian diagonal (static groups: no format change), as llm-compressor
     and GPTQModel do by default; on Gemma 3 270M at 4 bits it cuts GPTQ's KL to fp32 from 0.149 to 0.114
     (bench/results/quantize_peers.md)."""
-    mse: bool = False
-    """Per group, shrink the range to the clipping that minimises the weight error (every method)."""
+    mse: bool | None = None
+    """Per group, shrink the range to the clipping that minimises the weight error (every method); None: the
+    method's default (methods.Method.clip_search)."""
     group_fallback: bool = True
     """False: refuse layers the group size does not divide instead of falling back."""
     trust_remote_code: bool = False
@@ -53,7 +54,7 @@ class QuantizeOptions:
     """Entries added to (or replacing) the output's memfit record, e.g. a size budget's allocation."""
 
 
-def _targets(walk: LayerWalk, opt: QuantizeOptions) -> tuple[dict[str, QuantArgs], dict[str, str]]:
+def _targets(walk: LayerWalk, opt: QuantizeOptions, mse: bool) -> tuple[dict[str, QuantArgs], dict[str, str]]:
     """QuantArgs per target module (group size resolved), and the fallback notes (printed once per kind)."""
     targets: dict[str, QuantArgs] = {}
     notes: dict[str, str] = {}
@@ -61,7 +62,7 @@ def _targets(walk: LayerWalk, opt: QuantizeOptions) -> tuple[dict[str, QuantArgs
         if name not in walk.targets and name not in walk.outer:
             continue
         g, note = resolve_group_size(name, m.in_features, opt.group_size, opt.group_fallback)
-        targets[name] = QuantArgs((opt.bits_per_module or {}).get(name, opt.bits), g, opt.sym, opt.mse)
+        targets[name] = QuantArgs((opt.bits_per_module or {}).get(name, opt.bits), g, opt.sym, mse)
         if note:
             notes[name] = note
     kinds: dict[str, str] = {}
@@ -78,7 +79,8 @@ def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str,
     t0 = time.time()
     method = methods.get(opt.method, "quantize")
     walk = LayerWalk(model_dir, opt.skip, opt.trust_remote_code, outer=True)
-    targets, notes = _targets(walk, opt)
+    mse = method.clip_search if opt.mse is None else opt.mse
+    targets, notes = _targets(walk, opt, mse)
     walk.calibrate(method, opt.calibration)
     quantized: list[str] = []
 
@@ -102,7 +104,7 @@ def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str,
         untie = untie or (walk.tied and name.startswith("lm_head"))
     c = opt.calibration
     memfit = {"method": opt.method, "bits": opt.bits, "group_size": opt.group_size, "symmetric": opt.sym,
-              "act_order": opt.act_order, "mse_clip": opt.mse, "skipped": walk.skipped,
+              "act_order": opt.act_order, "mse_clip": mse, "skipped": walk.skipped,
               "group_size_fallbacks": {n: targets[n].group_size for n in notes},
               "calibration": {"files": len(c.files), "samples": c.samples, "seqlen": c.seqlen}
               if method.calibrated and c else None, **(opt.record or {})}

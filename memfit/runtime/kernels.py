@@ -1,4 +1,5 @@
-"""Fused CPU kernels for SlotModel (``csrc``: per-layer glue, fp32 and 4-bit Linears), built on first use.
+"""Fused CPU kernels for SlotModel (``csrc``: per-layer glue, fp32 and 4-bit Linears; also compress's
+per-group clipping search, ``quant_search.cpp``), built on first use.
 
 Why our own: after the Linears, a decode step's time went to many small ATen ops, each a dispatch and a pass
 over memory. Per layer of the serving benchmark's 33.7M Llama at batch 16 (2 threads, medians of 100 calls):
@@ -44,7 +45,7 @@ from memfit.errors import UserError
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "int4.cpp",
-           CSRC / "stack.cpp")
+           CSRC / "stack.cpp", CSRC / "quant_search.cpp")
 
 
 def extension_name() -> str:
@@ -129,6 +130,13 @@ def load(mode: str) -> ModuleType | None:
     raise UserError(f"--cpu-kernels {mode}: building memfit's CPU kernels (memfit/runtime/csrc) failed; install a "
                     f"C++ compiler (g++) and ninja, or pass --cpu-kernels off to run on torch ops (several times "
                     f"slower):\n{_reason(built)}") from built
+
+
+def built() -> ModuleType | None:
+    """The compiled kernels, or None where they cannot be built (for callers with a torch fallback that gives the
+    same result, slower: compress's clipping search)."""
+    b = _build()
+    return None if isinstance(b, Exception) else b
 
 
 def main(argv: list[str] | None = None) -> int:

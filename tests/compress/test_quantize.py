@@ -208,6 +208,26 @@ def test_mse_clip_never_raises_the_group_error() -> None:
             assert clipped.sum() < 0.95 * plain.sum(), (sym, bits)
 
 
+def test_clip_search_default_and_flags(tiny: Path, tmp_path: Path) -> None:
+    """The clipping search is gptq's default only; --mse-clip / --no-mse-clip override it, are recorded in the
+    config, and rtn's stored codes are exactly rtn() with and without mse."""
+    from compress import methods
+    from compress.rtn import rtn
+
+    assert [m.name for m in methods.METHODS.values() if m.clip_search] == ["gptq"]
+    name = "model.layers.0.self_attn.q_proj"
+    w = WeightSource(tiny).get(name + ".weight").float()
+    for i, (flag, mse) in enumerate((((), False), (("--mse-clip",), True), (("--no-mse-clip",), False))):
+        out = tmp_path / f"q{i}"
+        quantize(tiny, out, "--method", "rtn", "--bits", "4", *flag)
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc["memfit"]["mse_clip"] is mse
+        args = ctformat.parse_config(qc, [name])[name]
+        got = ctformat.read_quantized(WeightSource(out).get, name, args)
+        want = rtn(w, QuantArgs(4, args.group_size, False, mse=mse))
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.zero, want.zero)
+
+
 def test_awq_scaling_keeps_the_float_function(tiny: Path) -> None:
     """Folding s into RMSNorm / v_proj / up_proj and 1/s into the next Linears is exact in float."""
     from compress import awq

@@ -177,6 +177,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 
 // linear.cpp
 at::Tensor pack_panels(const at::Tensor& w);
+std::vector<at::Tensor> mse_qparams(const at::Tensor& wg_in, int64_t bits, bool sym, int64_t steps, double grid,
+                                    double norm);
 bool has_avx512_bf16();
 double peak_gflops(bool bf16, int64_t iters);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,

@@ -107,6 +107,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   memfit::bind_stack(m);
   m.def("pack_panels", &memfit::pack_panels,
         "a Linear weight [N, K] in linear_panels' layout: fp32 and int8 [N / 16, K, 16], bf16 [N / 16, K / 2, 32]");
+  m.def("mse_qparams", &memfit::mse_qparams,
+        "compress's clipping search: per row of wg [rows, group], the (scale, zero) of p * [min, max] over p = 1 - i / "
+        "grid, i < steps, with the least sum |w - dequant(w)|^norm", py::arg("wg"), py::arg("bits"), py::arg("sym"),
+        py::arg("steps"), py::arg("grid"), py::arg("norm"));
   m.def("has_avx512_bf16", &memfit::has_avx512_bf16, "whether these kernels were built with AVX512-BF16");
   m.def("peak_gflops", &memfit::peak_gflops, "peak GFLOPS of a register-only fp32 FMA or vdpbf16ps loop",
         py::arg("bf16"), py::arg("iters") = 2000000);

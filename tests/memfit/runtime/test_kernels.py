@@ -420,3 +420,34 @@ def test_int8_kv_kernels_equal_attention_over_the_dequantized_cache(ops, bs, D):
         assert torch.equal(ksp[blk, :, off], kscale[t]) and torch.equal(vsp[blk, :, off], vscale[t])
     with pytest.raises(RuntimeError, match="k_scale and v_scale"):
         ops.decode_attention(q, kp, vp, table, slots, lens, 0.3)
+
+
+@pytest.mark.parametrize("bits,sym", [(2, False), (3, False), (4, False), (8, False), (3, True), (4, True)])
+def test_mse_qparams_matches_the_torch_search(ops, bits: int, sym: bool) -> None:
+    """compress's clipping search: the kernel's (scale, zero) per group equal the torch loop's, or (a near-tie the
+    polynomial power ranks the other way) have the same error to 1e-5; edge groups: all zero, constant, one-signed."""
+    from compress.quant import MSE_GRID, MSE_MAXSHRINK, MSE_NORM, QuantArgs, mse_search, quantize_codes
+
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(300, 128, generator=g) * torch.rand(300, 1, generator=g).pow(4) * 0.1
+    w[:, ::37] *= 8  # outliers: clipping pays
+    w[0], w[1], w[2], w[3] = 0.0, 0.25, -w[3].abs(), w[4].abs()
+    args = QuantArgs(bits, 128, sym, mse=True)
+    s, z = ops.mse_qparams(w, bits, sym, int(MSE_MAXSHRINK * MSE_GRID), MSE_GRID, MSE_NORM)
+    s_ref, z_ref = mse_search(w, args)
+
+    def err(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        q = quantize_codes(w, s[:, None], z[:, None], args.maxq)
+        return ((q - z[:, None]) * s[:, None] - w).abs().pow(MSE_NORM).sum(-1)
+
+    same = (s == s_ref) & (z == z_ref)
+    assert same.float().mean() > 0.98
+    assert torch.allclose(err(s, z), err(s_ref, z_ref), rtol=1e-5, atol=1e-30)
+    assert torch.equal(s[:2], s_ref[:2]) and torch.equal(z[:2], z_ref[:2])  # zero / constant groups exactly
+
+
+def test_mse_qparams_checks_its_input(ops) -> None:
+    with pytest.raises(RuntimeError, match="wg must be"):
+        ops.mse_qparams(torch.zeros(4), 4, False, 80, 100.0, 2.4)
+    with pytest.raises(RuntimeError, match="bad bits"):
+        ops.mse_qparams(torch.zeros(4, 8), 9, False, 80, 100.0, 2.4)
