@@ -65,3 +65,41 @@ def rms_norm_weight(norm: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
         if got.shape == base.shape and torch.allclose(got, base * cand, atol=1e-5, rtol=1e-5):
             return cand.contiguous(), float(eps)
     return None
+
+
+# (module attribute holding a fused projection, the separate projections it concatenates along its outputs):
+# Phi-3's qkv_proj = [q; k; v] and gate_up_proj = [gate; up], the Llama layout once split
+_FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def split_fused_projections(layers: list[torch.nn.Module], q_rows: int, kv_rows: int) -> bool:
+    """Phi-3 layers as Llama's: each plain ``nn.Linear`` qkv_proj / gate_up_proj replaced by q/k/v and gate/up
+    Linears whose weights are row views of it (no copy; SlotModel and dense.pack_linears fuse them again in their
+    own layout) and ``mlp.act_fn`` set to Phi-3's ``activation_fn``. The HF modules' own forward is not called
+    afterwards (a model already split is left as it is). False (nothing changed) where a fused projection is not
+    a plain Linear (a compress output, a tensor-parallel shard) or has a bias."""
+    todo = []
+    for layer in layers:
+        for parent_name, fused_name, parts in _FUSED:
+            parent = getattr(layer, parent_name)
+            fused = getattr(parent, fused_name, None)
+            if fused is None:
+                continue
+            if type(fused) is not torch.nn.Linear or fused.bias is not None or tp_shards(fused) != 1:
+                return False
+            rows = (q_rows, kv_rows, kv_rows) if fused_name == "qkv_proj" else (fused.out_features // 2,) * 2
+            if sum(rows) != fused.out_features:
+                return False
+            todo.append((parent, fused_name, parts, rows))
+    for parent, fused_name, parts, rows in todo:
+        w = getattr(parent, fused_name).weight
+        start = 0
+        for name, n in zip(parts, rows, strict=True):
+            part = torch.nn.Linear(w.shape[1], n, bias=False, device="meta")
+            part.weight = torch.nn.Parameter(w[start:start + n], requires_grad=False)
+            setattr(parent, name, part)
+            start += n
+        delattr(parent, fused_name)
+        if fused_name == "gate_up_proj":
+            parent.act_fn = parent.activation_fn
+    return True

@@ -1,4 +1,5 @@
-"""A packed forward pass over a Hugging Face decoder's modules (Llama family, Qwen, Gemma 3) on a paged KV cache.
+"""A packed forward pass over a Hugging Face decoder's modules (Llama family, Qwen, Gemma 3, Phi-3) on a paged KV
+cache.
 
 One call runs any mix of decode tokens and prefill chunks of different sequences, packed into one [T, hidden]
 matrix so every Linear runs once per layer. Each layer's cache is [num_blocks, kv_heads, block_size, head_dim];
@@ -25,11 +26,11 @@ from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
 from memfit.runtime.linear import activation, weight_format
-from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, tp_shards
+from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, split_fused_projections, tp_shards
 from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
 
-SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text"}
+SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"}
 
 
 class UnsupportedModel(UserError):
@@ -117,6 +118,15 @@ class SlotModel:
         self.num_heads = cfg.num_attention_heads
         self.num_kv = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.split_mlp = model_type == "phi3"
+        if self.split_mlp:  # fused qkv_proj / gate_up_proj: split into Llama's projections (views)
+            if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+                raise UnsupportedModel("model: phi3 with partial rotary embeddings is not supported by the packed "
+                                       "engine")
+            if not split_fused_projections(self.layers, self.num_heads * self.head_dim,
+                                           self.num_kv * self.head_dim):
+                raise UnsupportedModel("model: phi3 whose fused qkv_proj / gate_up_proj are quantized, sharded or "
+                                       "biased is not supported by the packed engine")
         # tensor parallel (transformers tp_plan): q/k/v are column-sharded, so each rank holds a slice of heads
         tp = tp_shards(self.layers[0].self_attn.q_proj)
         if self.num_heads % tp or self.num_kv % tp:
@@ -389,6 +399,8 @@ class SlotModel:
             gu = self.gate_up[li](x)
             n = gu.shape[-1] // 2
             y = layer.mlp.down_proj(layer.mlp.act_fn(gu[..., :n]) * gu[..., n:])
+        elif self.split_mlp:  # Phi-3 after split_fused_projections: its own forward reads gate_up_proj
+            y = layer.mlp.down_proj(layer.mlp.act_fn(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
         else:
             y = layer.mlp(x)
         if self.sandwich[li]:

@@ -6,6 +6,7 @@ pool of one sequence's blocks changes nothing, and every block is back afterward
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,6 +117,25 @@ def test_gemma3_sliding_layers_paged_equals_static(loaded):
     static, _, _ = _generate(SlotModel(model, 3, 64), loaded.tokenizer, prompts, mt)
     paged, eng, _ = _generate(SlotModel(model, 3, 64, num_blocks=20, block_size=4), loaded.tokenizer, prompts, mt)
     assert [o.ids for o in paged] == [o.ids for o in static]
+    assert eng.kv_leaks() == []
+
+
+def test_phi3_paged_equals_static_and_hf(loaded):
+    """Phi-3 on the packed engine (its fused projections split into views): paged greedy tokens equal the static
+    engine's on the same (already split) model and HF's, computed before the split."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=120, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+                                       eos_token_id=2)).eval()
+    prompts = _prompts(120, [21, 6, 13], seed=4)
+    mt = [12, 15, 9]
+    want = [hf_greedy(SimpleNamespace(model=model), p, m) for p, m in zip(prompts, mt, strict=True)]
+    paged, eng, _ = _generate(SlotModel(model, 3, 64, num_blocks=20, block_size=4), loaded.tokenizer, prompts, mt)
+    static, _, _ = _generate(SlotModel(model, 3, 64), loaded.tokenizer, prompts, mt)
+    assert [o.ids for o in paged] == [o.ids for o in static] == want
     assert eng.kv_leaks() == []
 
 

@@ -46,9 +46,10 @@ def _model(kind: str, vocab: int = V) -> torch.nn.Module:
                                        initializer_range=0.2, bos_token_id=1, eos_token_id=2))
     elif kind == "gpt_neox":
         m = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, **_SIZES, bos_token_id=1, eos_token_id=2))
-    elif kind == "phi3":
+    elif kind.startswith("phi3"):  # plain Phi-3 runs on the packed engine; with partial RoPE on the generic one
         m = Phi3ForCausalLM(Phi3Config(vocab_size=vocab, **_SIZES, num_key_value_heads=2, pad_token_id=0,
-                                       bos_token_id=1, eos_token_id=2))
+                                       bos_token_id=1, eos_token_id=2,
+                                       partial_rotary_factor=0.5 if kind == "phi3-partial" else 1.0))
     elif kind == "gemma2":  # every other layer a sliding window of 8: prompts here are longer. Gemma scales its
         # (tied) embeddings by sqrt(hidden): at 0.2 one token wins every step, so HF's default 0.02 here
         m = Gemma2ForCausalLM(Gemma2Config(vocab_size=vocab, **{**_SIZES, "initializer_range": 0.02},
@@ -61,7 +62,7 @@ def _model(kind: str, vocab: int = V) -> torch.nn.Module:
     return m.eval()
 
 
-KINDS = ["gpt2", "gpt_neox", "phi3", "gemma2"]
+KINDS = ["gpt2", "gpt_neox", "phi3-partial", "gemma2"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_chunked_prefill_and_decodes_match_hf_logits(kind):
     with torch.no_grad():
         ref_a, ref_b = model(a[None]).logits[0], model(b[None]).logits[0]
     sm = make_runner(model, 3, 64)
-    assert isinstance(sm, HFCacheModel) and sm.engine == GENERIC and kind in sm.reason
+    assert isinstance(sm, HFCacheModel) and sm.engine == GENERIC and kind.split("-")[0] in sm.reason
     tol = dict(atol=1e-4, rtol=1e-4)
     # a's first chunk (no logits) with b's first chunk; then a decode-free mixed step, as the scheduler plans
     out = sm.forward(torch.cat([a[:9], b[:5]]), [Segment(2, 0, 9, want_logits=False), Segment(0, 0, 5)])
@@ -147,6 +148,7 @@ def test_slot_reuse_and_bad_segments():
 
 def test_factory_picks_the_packed_engine_for_llama_and_refuses_tp_for_generic():
     assert isinstance(make_runner(_model("llama"), 2, 32), SlotModel)
+    assert isinstance(make_runner(_model("phi3"), 2, 32), SlotModel)
     with pytest.raises(UserError, match="--tp: architecture 'gpt2'"):
         make_runner(_model("gpt2"), 2, 32, generic_ok=False)
 
@@ -170,6 +172,21 @@ def test_a_feature_the_packed_engine_lacks_falls_back_to_generic(monkeypatch):
     monkeypatch.setattr(generic, "SlotModel", refuse("--tp 3 must divide the attention heads"))
     with pytest.raises(UserError, match="--tp 3"):
         make_runner(model, 2, 32)
+
+
+def test_phi3_fused_projections_it_cannot_split_go_generic_untouched():
+    """A fused qkv_proj that is not a plain bias-free Linear (here: with a bias) is not split: the model goes to
+    the generic engine with every layer's own modules, and its greedy tokens stay HF's."""
+    model = _model("phi3")
+    attn = model.model.layers[1].self_attn
+    attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(attn.qkv_proj.out_features))
+    ids = list(range(3, 20))
+    want = _hf_greedy(model, ids, 6)
+    sm = make_runner(model, 2, 64)
+    assert isinstance(sm, HFCacheModel) and "fused qkv_proj" in sm.reason
+    assert all(hasattr(ly.self_attn, "qkv_proj") and not hasattr(ly.self_attn, "q_proj") and
+               hasattr(ly.mlp, "gate_up_proj") for ly in model.model.layers)
+    assert _hf_greedy(model, ids, 6) == want
 
 
 def test_encoder_refused_by_the_causality_probe():

@@ -1,10 +1,11 @@
-"""SlotModel's forward against the HF model's own: RoPE variants (table and per-step paths), qwen3's q/k norms."""
+"""SlotModel's forward against the HF model's own: RoPE variants (table and per-step paths), qwen3's q/k norms,
+Phi-3's fused projections (with and without a sliding window shorter than the prompts)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from memfit.runtime.slot_model import Segment, SlotModel
 
@@ -24,10 +25,16 @@ def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16)).eval()
+    if kind.startswith("phi3"):  # longrope (Phi-3 128k): short factors up to 32 positions, long ones beyond
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [2.0 + i / 4 for i in range(8)], "original_max_position_embeddings": 32}
+        return Phi3ForCausalLM(Phi3Config(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                          sliding_window=16 if kind == "phi3-window" else None,
+                                          **({"rope_parameters": rope} if kind == "phi3-longrope" else {}))).eval()
     return LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=_ROPE[kind])).eval()
 
 
-@pytest.mark.parametrize("kind", ["default", "llama3", "dynamic", "qwen3"])
+@pytest.mark.parametrize("kind", ["default", "llama3", "dynamic", "qwen3", "phi3", "phi3-window", "phi3-longrope"])
 @pytest.mark.parametrize("dense", ["off", "on"])
 @pytest.mark.parametrize("kernels", ["off", "on"])
 def test_prefill_and_decode_match_hf(kind, dense, kernels):
@@ -40,8 +47,9 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     sm = SlotModel(model, 2, 64, dense_kernel=dense, cpu_kernels=kernels)
     assert (sm.ops is not None) == (kernels == "on")
     # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms too; not dynamic RoPE)
-    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and kind != "dynamic")
-    assert sm.rope.static == (kind != "dynamic")
+    static = kind not in ("dynamic", "phi3-longrope")  # their RoPE depends on the sequence length
+    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and static)
+    assert sm.rope.static == static
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
     check_steps(sm, {0: a, 1: b}, {0: ref_a, 1: ref_b},
                 [[(0, 0, 38, True), (1, 0, 10, True)], [(0, 38, 1, True), (1, 10, 14, True)],
