@@ -77,7 +77,8 @@ def split_fused_projections(layers: list[torch.nn.Module], q_rows: int, kv_rows:
     Linears whose weights are row views of it (no copy; SlotModel and dense.pack_linears fuse them again in their
     own layout) and ``mlp.act_fn`` set to Phi-3's ``activation_fn``. The HF modules' own forward is not called
     afterwards (a model already split is left as it is). False (nothing changed) where a fused projection is not
-    a plain Linear (a compress output, a tensor-parallel shard) or has a bias."""
+    a plain Linear (a compress output, a tensor-parallel shard) or has a bias: SlotModel then calls the fused
+    projections themselves."""
     todo = []
     for layer in layers:
         for parent_name, fused_name, parts in _FUSED:

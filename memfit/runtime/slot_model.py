@@ -123,12 +123,17 @@ class SlotModel:
             if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
                 raise UnsupportedModel("model: phi3 with partial rotary embeddings is not supported by the packed "
                                        "engine")
-            if not split_fused_projections(self.layers, self.num_heads * self.head_dim,
-                                           self.num_kv * self.head_dim):
-                raise UnsupportedModel("model: phi3 whose fused qkv_proj / gate_up_proj are quantized, sharded or "
-                                       "biased is not supported by the packed engine")
+            fused = getattr(self.layers[0].self_attn, "qkv_proj", None)
+            if fused is not None and tp_shards(fused) != 1:
+                raise UnsupportedModel("model: phi3 with a tensor-parallel fused qkv_proj is not supported by the "
+                                       "packed engine")
+            # quantized (a compress output) or biased fused projections are not split: they run as they are
+            split_fused_projections(self.layers, self.num_heads * self.head_dim, self.num_kv * self.head_dim)
+            for ly in self.layers:
+                if hasattr(ly.mlp, "gate_up_proj"):
+                    ly.mlp.act_fn = ly.mlp.activation_fn
         # tensor parallel (transformers tp_plan): q/k/v are column-sharded, so each rank holds a slice of heads
-        tp = tp_shards(self.layers[0].self_attn.q_proj)
+        tp = tp_shards(getattr(self.layers[0].self_attn, "q_proj", None) or self.layers[0].self_attn.qkv_proj)
         if self.num_heads % tp or self.num_kv % tp:
             raise UserError(f"--tp {tp} must divide the attention heads ({self.num_heads}) and KV heads "
                             f"({self.num_kv})")
@@ -180,11 +185,14 @@ class SlotModel:
         self._embed = plain_forward(self.inner.embed_tokens)
         self._lm_head = plain_forward(self.lm_head)
 
-        self.qkv = [fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj], self.ops)
+        # q/k/v and gate/up as one call each; a checkpoint's own fused projection (Phi-3's, where it was not split:
+        # split_fused_projections) is used as it is, its outputs already [q; k; v] / [gate; up]
+        self.qkv = [getattr(ly.self_attn, "qkv_proj", None) or
+                    fuse([ly.self_attn.q_proj, ly.self_attn.k_proj, ly.self_attn.v_proj], self.ops)
                     for ly in self.layers]
-        self.gate_up = [fuse([ly.mlp.gate_proj, ly.mlp.up_proj], self.ops) if all(
-            hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None
-            for ly in self.layers]
+        self.gate_up = [getattr(ly.mlp, "gate_up_proj", None) or (fuse([ly.mlp.gate_proj, ly.mlp.up_proj], self.ops)
+                        if all(hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None)
+                        for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
         self.bf16_dot = bf16  # bf16 mode: int4 prefill rows on vdpbf16ps too (x and dequantized weights in bf16)
         for m in [*hf_model.modules(), *self.qkv, *self.gate_up]:

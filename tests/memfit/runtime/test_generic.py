@@ -174,19 +174,30 @@ def test_a_feature_the_packed_engine_lacks_falls_back_to_generic(monkeypatch):
         make_runner(model, 2, 32)
 
 
-def test_phi3_fused_projections_it_cannot_split_go_generic_untouched():
-    """A fused qkv_proj that is not a plain bias-free Linear (here: with a bias) is not split: the model goes to
-    the generic engine with every layer's own modules, and its greedy tokens stay HF's."""
-    model = _model("phi3")
+def test_phi3_fused_projections_it_cannot_split_run_fused_on_the_packed_engine(tok):
+    """A fused qkv_proj that is not a plain bias-free Linear (here: with a bias) is not split: the packed engine
+    calls the fused projections themselves, and its greedy tokens equal HF's."""
+    from serve.engine import Engine, Sequence
+    from serve.sampling import SamplingParams
+
+    model = _model("phi3", len(tok))
     attn = model.model.layers[1].self_attn
-    attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(attn.qkv_proj.out_features))
+    attn.qkv_proj.bias = torch.nn.Parameter(0.1 * torch.randn(attn.qkv_proj.out_features))
     ids = list(range(3, 20))
     want = _hf_greedy(model, ids, 6)
     sm = make_runner(model, 2, 64)
-    assert isinstance(sm, HFCacheModel) and "fused qkv_proj" in sm.reason
-    assert all(hasattr(ly.self_attn, "qkv_proj") and not hasattr(ly.self_attn, "q_proj") and
-               hasattr(ly.mlp, "gate_up_proj") for ly in model.model.layers)
-    assert _hf_greedy(model, ids, 6) == want
+    assert isinstance(sm, SlotModel) and sm.qkv[1] is attn.qkv_proj
+    assert all(hasattr(ly.self_attn, "qkv_proj") and not hasattr(ly.self_attn, "q_proj") for ly in model.model.layers)
+    done = threading.Event()
+    seq = Sequence(ids, SamplingParams(temperature=0.0, max_tokens=6), lambda ev: done.set() if ev.finish_reason
+                   else None, len(tok))
+    eng = Engine(sm, tok, set(), prefill_chunk=5)
+    try:
+        eng.submit([seq])
+        assert done.wait(30)
+    finally:
+        eng.stop()
+    assert seq.out_ids == want
 
 
 def test_encoder_refused_by_the_causality_probe():
