@@ -265,11 +265,13 @@ def test_nonstream_disconnect_cancels_and_during_prefill(server):
     eng = server.state.engine
     _slow_engine(server, 0.02)
     try:
-        for body in ({"prompt": "ROMEO.", "max_tokens": 200, "ignore_eos": True},
-                     {"prompt": "to be or not " * 40, "max_tokens": 5, "stream": True}):  # prefill: ~10 chunks
+        # the client gives up mid-decode (200 tokens take >= 4 s; 0.6 s leaves room for a slow first step on a
+        # loaded host, where 0.15 s once saw no token yet), then during a prefill of ~10 chunks
+        for body, wait in (({"prompt": "ROMEO.", "max_tokens": 200, "ignore_eos": True}, 0.6),
+                           ({"prompt": "to be or not " * 40, "max_tokens": 5, "stream": True}, 0.15)):
             gen0 = metric(httpx.get(server.url + "/metrics").text, "memfit:generation_tokens_total")
             try:
-                httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
+                httpx.post(server.url + "/v1/completions", json=body, timeout=wait)
                 raise AssertionError("expected the client to time out")
             except httpx.TimeoutException:
                 pass
