@@ -7,6 +7,7 @@
 // fp16 rounding of the scale and the same round-half-even codes as the torch loop; a near-tie may pick the other one.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <limits>
 
 #include "common.h"
@@ -24,9 +25,17 @@ inline float min_f(float a, float b) { return a < b ? a : b; }
 inline float max_f(float a, float b) { return a > b ? a : b; }
 inline float abs_f(float a) { return a < 0.f ? -a : a; }
 
-inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);  // not __builtin_bit_cast: GCC 11+ only; this vectorizes the same
+  return f;
+}
 
-inline uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
 
 // |x|^e for x >= 0 as exp2(e * log2(x)); 0 for x below 1e-30. Polynomials: log2 on the mantissa [1, 2) and 2^f on
 // [0, 1), fitted by least squares (abs error 2.5e-6 and 1.2e-7), with no libm call so the loop vectorizes.
