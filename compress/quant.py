@@ -6,7 +6,7 @@ W ~= (q - z) * s. Symmetric: z = 2**(bits-1) and s = max|w| / ((2**bits - 1) / 2
 compressed-tensors convention). Asymmetric: s = (max - min) / (2**bits - 1), z = round(-min / s).
 With mse (GPTQ's / GPTQModel's `mse` option), the range is shrunk per (row, group) to p * [min, max], p on a
 grid 1, 0.99, ..., 0.21, choosing the p with the least sum |w - dequant(w)|**2.4: clipping a few outliers buys
-a finer step for the rest. The search runs in memfit's C++ kernel (memfit/runtime/csrc/quant_search.cpp, ~15x
+a finer step for the rest. The search runs in memfit's C++ kernel (memfit/runtime/csrc/quant_search.cpp, 6-15x
 the torch loop) where the kernels are built, else in torch ops (`mse_search`: same candidates; a near-tie may
 resolve the other way).
 """
