@@ -72,15 +72,13 @@ def _range_params(wmin: torch.Tensor, wmax: torch.Tensor, args: QuantArgs) -> tu
 def qparams(wg: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero for grouped weights wg (..., group): returns (scale, zero) of shape (...)."""
     wg = wg.float()
-    wmin, wmax = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-    scale, zero = _range_params(wmin, wmax, args)
     if not args.mse:
-        return scale, zero
+        return _range_params(wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0), args)
     ops = kernels.built()
     if ops is not None and wg.device.type == "cpu":
         flat = wg.reshape(-1, wg.shape[-1])
         s, z = ops.mse_qparams(flat, args.bits, args.sym, int(MSE_MAXSHRINK * MSE_GRID), MSE_GRID, MSE_NORM)
-        return s.view(scale.shape), z.view(zero.shape)
+        return s.view(wg.shape[:-1]), z.view(wg.shape[:-1])
     return mse_search(wg, args)
 
 

@@ -75,10 +75,9 @@ _FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "ga
 def split_fused_projections(layers: list[torch.nn.Module], q_rows: int, kv_rows: int) -> bool:
     """Phi-3 layers as Llama's: each plain ``nn.Linear`` qkv_proj / gate_up_proj replaced by q/k/v and gate/up
     Linears whose weights are row views of it (no copy; SlotModel and dense.pack_linears fuse them again in their
-    own layout) and ``mlp.act_fn`` set to Phi-3's ``activation_fn``. The HF modules' own forward is not called
-    afterwards (a model already split is left as it is). False (nothing changed) where a fused projection is not
-    a plain Linear (a compress output, a tensor-parallel shard) or has a bias: SlotModel then calls the fused
-    projections themselves."""
+    own layout). The HF modules' own forward is not called afterwards (a model already split is left as it is).
+    False (nothing changed) where a fused projection is not a plain Linear (a compress output, a tensor-parallel
+    shard) or has a bias: SlotModel then calls the fused projections themselves."""
     todo = []
     for layer in layers:
         for parent_name, fused_name, parts in _FUSED:
@@ -101,6 +100,4 @@ def split_fused_projections(layers: list[torch.nn.Module], q_rows: int, kv_rows:
             setattr(parent, name, part)
             start += n
         delattr(parent, fused_name)
-        if fused_name == "gate_up_proj":
-            parent.act_fn = parent.activation_fn
     return True

@@ -129,9 +129,8 @@ class SlotModel:
                                        "packed engine")
             # quantized (a compress output) or biased fused projections are not split: they run as they are
             split_fused_projections(self.layers, self.num_heads * self.head_dim, self.num_kv * self.head_dim)
-            for ly in self.layers:
-                if hasattr(ly.mlp, "gate_up_proj"):
-                    ly.mlp.act_fn = ly.mlp.activation_fn
+            for ly in self.layers:  # split or not, the MLP's activation under Llama's name
+                ly.mlp.act_fn = ly.mlp.activation_fn
         # tensor parallel (transformers tp_plan): q/k/v are column-sharded, so each rank holds a slice of heads
         tp = tp_shards(getattr(self.layers[0].self_attn, "q_proj", None) or self.layers[0].self_attn.qkv_proj)
         if self.num_heads % tp or self.num_kv % tp:
