@@ -28,7 +28,14 @@ from training.freeze import apply_stage, stage_at, stage_label
 from training.losses import chunked_causal_lm_loss, plain_causal_lm_loss
 from training.memory import MemoryReport, fill_static
 from training.offload import offload_activations
-from training.plan import MemoryPlan, peak_bytes, process_bytes, release_free_memory, reset_peak
+from training.plan import (
+    MemoryPlan,
+    map_large_allocations,
+    peak_bytes,
+    process_bytes,
+    release_free_memory,
+    reset_peak,
+)
 from training.setup import (
     get_model,
     get_tokenizer,
@@ -105,6 +112,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, memor
     """Run training; returns the final metrics. `on_step(step, row)` is called after every step.
     plan_only: load and probe, print the predicted memory, train nothing (`train --plan`)."""
     acc = Accelerator(cpu=not torch.cuda.is_available())
+    if acc.device.type == "cpu":
+        map_large_allocations()  # before loading: freed activations leave RSS at once (see its docstring)
     if acc.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed owns backward/step through its engine; this loop drives them itself (scaler, clipping).
         raise UserError("DeepSpeed launch configs are not supported: use configs/accelerate/fsdp.yaml (ZeRO-3 "
