@@ -1,9 +1,12 @@
 """What SlotModel needs to know about an HF module before calling it: how many tensor-parallel ranks share it,
-on which device it computes, and whether its ``forward`` can be called without ``nn.Module.__call__``."""
+on which device it computes, whether its ``forward`` can be called without ``nn.Module.__call__``, its norm's
+weight, its sliding window; and two rewrites (Phi-3's fused projections split, bf16 leftovers widened)."""
 
 from __future__ import annotations
 
 import torch
+
+from memfit.runtime.linear import weight_format
 
 
 def tp_shards(linear: torch.nn.Module) -> int:
@@ -101,3 +104,40 @@ def split_fused_projections(layers: list[torch.nn.Module], q_rows: int, kv_rows:
             start += n
         delattr(parent, fused_name)
     return True
+
+
+def float_rest(model: torch.nn.Module) -> None:
+    """After the Linears are packed in bf16: every other bf16 tensor (norms, RoPE buffers, a tied lm_head that
+    could not be packed) to fp32, the dtype the activations keep; an untied input embedding stays bf16 (its
+    looked-up rows are widened: ``_forward``). Tensors shared by several modules stay shared."""
+    def skip(m: torch.nn.Module) -> bool:  # a packed or quantized format keeps its own dtypes (bf16 panels by
+        fmt = weight_format(m)  # choice, an int4 pack's bf16 scales); a plain nn.Linear ("fp") is widened
+        return fmt is not None and fmt != "fp"
+
+    used = {t.data_ptr() for m in model.modules() if not skip(m) and not isinstance(m, torch.nn.Embedding)
+            for t in m.parameters(recurse=False)}
+    done: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        if skip(m):
+            continue
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t is None or t.dtype != torch.bfloat16 or \
+                    (isinstance(m, torch.nn.Embedding) and t.data_ptr() not in used):
+                continue
+            is_param = isinstance(t, torch.nn.Parameter)
+            if t.data_ptr() not in done:
+                f = t.detach().float()
+                done[t.data_ptr()] = torch.nn.Parameter(f, requires_grad=False) if is_param else f
+            if is_param:
+                setattr(m, name, done[t.data_ptr()])
+            else:
+                m._buffers[name] = done[t.data_ptr()]
+
+
+def sliding_window(layer: torch.nn.Module, cfg, max_seq_len: int) -> int | None:
+    """The layer's sliding window (HF sets ``sliding_window`` on the attention module of sliding layers; Mistral
+    only in its config), or None where it never limits a sequence of ``max_seq_len`` positions."""
+    attn = layer.self_attn
+    w = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") else \
+        (getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None)
+    return int(w) if w and int(w) < max_seq_len else None

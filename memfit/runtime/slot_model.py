@@ -1,5 +1,5 @@
-"""A packed forward pass over a Hugging Face decoder's modules (Llama family, Qwen, Gemma 3, Phi-3) on a paged KV
-cache.
+"""A packed forward pass over a Hugging Face decoder's modules (Llama family, Qwen, Gemma 3, Phi-3; GPT-2 and
+GPT-NeoX renamed to Llama's layout by archs.py) on a paged KV cache.
 
 One call runs any mix of decode tokens and prefill chunks of different sequences, packed into one [T, hidden]
 matrix so every Linear runs once per layer. Each layer's cache is [num_blocks, kv_heads, block_size, head_dim];
@@ -18,24 +18,29 @@ import torch
 import torch.nn.functional as F
 
 from memfit.errors import UserError
-from memfit.runtime import kernels
+from memfit.runtime import archs, kernels
+from memfit.runtime.archs import UnsupportedModel
 from memfit.runtime.attention import StepLayout, attend, quantize_rows, smooth_key_norms
 from memfit.runtime.dense import pack_linears
 from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
-from memfit.runtime.linear import activation, weight_format
-from memfit.runtime.modules import exec_device, plain_forward, rms_norm_weight, split_fused_projections, tp_shards
+from memfit.runtime.linear import activation
+from memfit.runtime.modules import (
+    exec_device,
+    float_rest,
+    plain_forward,
+    rms_norm_weight,
+    sliding_window,
+    split_fused_projections,
+    tp_shards,
+)
 from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
 
-SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"}
-
-
-class UnsupportedModel(UserError):
-    """A model the packed engine does not run (an architecture or a feature of one): the generic engine
-    (generic.py) runs it instead."""
+SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"} | archs.ADAPTED_TYPES
+__all__ = ["SUPPORTED_TYPES", "Segment", "SlotModel", "UnsupportedModel"]
 
 
 @dataclass
@@ -51,43 +56,6 @@ class Segment:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _window(layer: torch.nn.Module, cfg, max_seq_len: int) -> int | None:
-    """The layer's sliding window (HF sets ``sliding_window`` on the attention module of sliding layers; Mistral
-    only in its config), or None where it never limits a sequence of ``max_seq_len`` positions."""
-    attn = layer.self_attn
-    w = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") else \
-        (getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None)
-    return int(w) if w and int(w) < max_seq_len else None
-
-
-def _float_rest(model: torch.nn.Module) -> None:
-    """After the Linears are packed in bf16: every other bf16 tensor (norms, RoPE buffers, a tied lm_head that
-    could not be packed) to fp32, the dtype the activations keep; an untied input embedding stays bf16 (its
-    looked-up rows are widened: ``_forward``). Tensors shared by several modules stay shared."""
-    def skip(m: torch.nn.Module) -> bool:  # a packed or quantized format keeps its own dtypes (bf16 panels by
-        fmt = weight_format(m)  # choice, an int4 pack's bf16 scales); a plain nn.Linear ("fp") is widened
-        return fmt is not None and fmt != "fp"
-
-    used = {t.data_ptr() for m in model.modules() if not skip(m) and not isinstance(m, torch.nn.Embedding)
-            for t in m.parameters(recurse=False)}
-    done: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        if skip(m):
-            continue
-        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
-            if t is None or t.dtype != torch.bfloat16 or \
-                    (isinstance(m, torch.nn.Embedding) and t.data_ptr() not in used):
-                continue
-            is_param = isinstance(t, torch.nn.Parameter)
-            if t.data_ptr() not in done:
-                f = t.detach().float()
-                done[t.data_ptr()] = torch.nn.Parameter(f, requires_grad=False) if is_param else f
-            if is_param:
-                setattr(m, name, done[t.data_ptr()])
-            else:
-                m._buffers[name] = done[t.data_ptr()]
 
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)  # `keep` meaning every row (SlotModel._forward)
@@ -112,6 +80,8 @@ class SlotModel:
         if getattr(cfg, "attn_logit_softcapping", None):
             raise UnsupportedModel(f"model: {model_type} with attention logit soft-capping is not supported by the "
                                    "packed engine")
+        archs.check(hf_model)  # GPT-2 / GPT-NeoX: refused (to the generic engine) before anything changes
+        archs.adapt(hf_model)  # ... then given Llama's names and layouts
         self.hf = hf_model.eval()
         self.inner = hf_model.model
         self.layers = list(self.inner.layers)
@@ -154,12 +124,13 @@ class SlotModel:
         self.tied_vocab_packed = dense_kernel != "off" and pack_tied_vocab(hf_model, self.ops, bf16)
         self.dense_packed = pack_linears(hf_model, dense_kernel, self.ops, bf16)
         if bf16:
-            _float_rest(hf_model)
+            float_rest(hf_model)
         self.dtype = torch.float32 if bf16 else self._param_dtype()
         cdt = cache_dtype or self.dtype
         # each layer's KV cache lives where that layer executes (device maps split layers over devices)
         self.layer_devices = [exec_device(layer) for layer in self.layers]
-        self.embed_device = exec_device(self.inner.embed_tokens)
+        self.embed_device = exec_device(hf_model.get_input_embeddings())
+        self.wpe = archs.position_embedding(hf_model)  # GPT-2's learned positions, added to the embedding
         if (block_size is None) != (num_blocks is None):
             raise UserError("a paged KV cache needs both num_blocks and block_size")
         self.paged = block_size is not None
@@ -179,9 +150,10 @@ class SlotModel:
         self.k_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
         self.v_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
-        self.lm_head = hf_model.lm_head  # after packing, which may replace it
+        head = getattr(hf_model, "lm_head", None)  # after packing, which may replace it (GPT-NeoX: embed_out)
+        self.lm_head = head if head is not None else hf_model.get_output_embeddings()
         # embedding and lm_head, once a step: their forward straight, without nn.Module.__call__'s hook bookkeeping
-        self._embed = plain_forward(self.inner.embed_tokens)
+        self._embed = plain_forward(hf_model.get_input_embeddings())
         self._lm_head = plain_forward(self.lm_head)
 
         # q/k/v and gate/up as one call each; a checkpoint's own fused projection (Phi-3's, where it was not split:
@@ -204,13 +176,15 @@ class SlotModel:
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self.rope = Rope(self.inner.rotary_emb, list(getattr(cfg, "layer_types", None) or [None] * len(self.layers)),
                          max_seq_len, self.head_dim)
-        self.windows = [_window(ly, cfg, max_seq_len) for ly in self.layers]
+        self.windows = [sliding_window(ly, cfg, max_seq_len) for ly in self.layers]
         # every RMSNorm as (weight, eps) for one fused op (Gemma's (1 + w) folded in); other norms run as modules
         self._norms = {id(m): spec for m in hf_model.modules() if (spec := rms_norm_weight(m)) is not None}
         if self.kv_int8:  # int8 keys: outlier channels moved into the queries (attention.smooth_key_norms)
             smooth_key_norms(self._norms, self.layers, self.head_dim)
         # Gemma 2/3: norms after attention and after the MLP too (post_attention_layernorm then is not the MLP's)
         self.sandwich = [hasattr(ly, "pre_feedforward_layernorm") for ly in self.layers]
+        # GPT-NeoX: attention and MLP both read the layer's input, h + attn(ln1(h)) + mlp(ln2(h))
+        self.parallel = [bool(getattr(ly, "use_parallel_residual", False)) for ly in self.layers]
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.stack = build(self)  # the layers as one C++ call where all of them allow it, else None
 
@@ -226,7 +200,7 @@ class SlotModel:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
 
     def _param_dtype(self) -> torch.dtype:
-        emb = self.inner.embed_tokens
+        emb = self.hf.get_input_embeddings()
         w = getattr(emb, "weight", None)
         if w is not None and w.dtype.is_floating_point:
             return w.dtype
@@ -290,6 +264,8 @@ class SlotModel:
         dec_tok, dec_slots, dec_len = flat[2 * T:2 * T + nd], flat[2 * T + nd:2 * T + 2 * nd], flat[2 * T + 2 * nd:]
         dec_max = max(dec_len_list) if dec_idx else 0
         h = self._embed(input_ids[None].to(self.embed_device))  # [1, T, hidden]
+        if self.wpe is not None:
+            h = h + self.wpe(positions.to(h.device))[None]
         if h.dtype != self.dtype:  # a bf16 embedding under bf16 weights: activations are fp32
             h = h.to(self.dtype)
         ropes = {kind: self.rope(h, positions, kind) for kind in self.rope.kinds}
@@ -394,6 +370,8 @@ class SlotModel:
     def _mlp_block(self, li: int, layer: torch.nn.Module, h: torch.Tensor, attn_out: torch.Tensor,
                    ops) -> torch.Tensor:
         """The layer after attention: residual add, the MLP's norm, the MLP, residual add (Gemma: normed too)."""
+        if self.parallel[li]:
+            return h + attn_out + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h, ops))
         if self.sandwich[li]:
             h = h + self._rms_norm(layer.post_attention_layernorm, attn_out, ops)
             x = self._rms_norm(layer.pre_feedforward_layernorm, h, ops)

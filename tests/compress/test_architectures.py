@@ -152,18 +152,21 @@ def test_nf4_runs_on_every_architecture(arch_dirs, eval_ids, tmp_path: Path, arc
     assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 2 * RTN_KL[arch]
 
 
-def test_quantized_phi3_runs_on_the_packed_engine(arch_dirs, eval_ids, tmp_path: Path) -> None:
-    """A 4-bit Phi-3 keeps its fused qkv_proj / gate_up_proj (quantized as one Linear each); serve's packed engine
-    calls them as they are and gives the logits of the loaded model's own forward."""
+@pytest.mark.parametrize("arch", ["phi3", "gpt_neox"])
+def test_quantized_fused_qkv_runs_on_the_packed_engine(arch, arch_dirs, eval_ids, tmp_path: Path) -> None:
+    """A 4-bit Phi-3 keeps its fused qkv_proj / gate_up_proj and a 4-bit GPT-NeoX its head-interleaved
+    query_key_value (quantized as one Linear each); serve's packed engine calls them as they are (GPT-NeoX's
+    output columns reordered) and gives the logits of the loaded model's own forward."""
     from memfit.runtime.generic import make_runner
     from memfit.runtime.slot_model import Segment, SlotModel
 
-    _quantize(arch_dirs["phi3"], tmp_path / "q", "rtn", None)
+    _quantize(arch_dirs[arch], tmp_path / "q", "rtn", None)
     ids = eval_ids[0, :24]
     want = logits(compress.load(tmp_path / "q"), ids[None])[0]
     model = compress.load(tmp_path / "q")
     sm = make_runner(model, 2, 64)
-    assert isinstance(sm, SlotModel) and hasattr(model.model.layers[0].self_attn, "qkv_proj")
+    assert isinstance(sm, SlotModel) and hasattr(sm.layers[0].self_attn, "qkv_proj")
+    assert sm.int4_kernel > 0 or sm.ops is None  # the quantized projections on memfit's int4 kernel
     first = sm.forward(ids[:17], [Segment(0, 0, 17)])[0]
     last = sm.forward(ids[17:], [Segment(0, 17, 7)])[0]
     for got, ref in ((first, want[16]), (last, want[23])):

@@ -363,7 +363,9 @@ def test_int8_kv_cache_is_refused_on_the_generic_engine(loaded):
     from memfit.runtime.generic import make_runner
     from serve.kv_config import check_kv_dtype
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    # attention scaled per layer: a GPT-2 feature only the generic engine runs
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                       scale_attn_by_inverse_layer_idx=True)).eval()
     runner = make_runner(model, 2, 64, cache_dtype=torch.int8)
     with pytest.raises(UserError, match="--kv-cache-dtype int8 runs on the packed engine"):
         check_kv_dtype(runner, "int8")
@@ -422,7 +424,8 @@ def test_generic_engine_keeps_a_static_kv_cache_and_says_why(tmp_path, loaded):
 
     tok = loaded.tokenizer
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                       scale_attn_by_inverse_layer_idx=True)).eval()  # generic engine only
     s = make_server(str(tmp_path), Loaded(model, tok, set(loaded.eos_ids), 64, None), max_batch=2)
     try:
         kv = httpx.get(s.url + "/health", timeout=10).json()["kv"]

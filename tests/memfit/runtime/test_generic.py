@@ -1,6 +1,7 @@
 """The generic engine (memfit.runtime.generic) against HF's own forward and generate on tiny random decoders of
-architectures the packed engine lacks, the factory's choice, and the refusal of models that are not causal
-decoders (exit 2 from `serve`, naming the architecture)."""
+architectures (or features) the packed engine lacks, the factory's choice (GPT-2 and GPT-NeoX on the packed
+engine: their greedy tokens too), and the refusal of models that are not causal decoders (exit 2 from `serve`,
+naming the architecture)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ _SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, interm
 def _model(kind: str, vocab: int = V) -> torch.nn.Module:
     """A tiny random decoder; initializer_range 0.2 so that greedy decoding does not repeat one token."""
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):  # gpt2-layerscale: attention scaled per layer, which only the generic engine runs
         m = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                       initializer_range=0.2, bos_token_id=1, eos_token_id=2))
+                                       initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                                       scale_attn_by_inverse_layer_idx=kind == "gpt2-layerscale"))
     elif kind == "gpt_neox":
         m = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, **_SIZES, bos_token_id=1, eos_token_id=2))
     elif kind.startswith("phi3"):  # plain Phi-3 runs on the packed engine; with partial RoPE on the generic one
@@ -62,7 +64,8 @@ def _model(kind: str, vocab: int = V) -> torch.nn.Module:
     return m.eval()
 
 
-KINDS = ["gpt2", "gpt_neox", "phi3-partial", "gemma2"]
+KINDS = ["gpt2-layerscale", "phi3-partial", "gemma2"]  # on the generic engine
+PACKED = ["gpt2", "gpt_neox"]  # adapted to the packed engine (memfit.runtime.archs)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def test_chunked_prefill_and_decodes_match_hf_logits(kind):
     assert out.dtype == torch.float32 and out.device.type == "cpu"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + PACKED)
 def test_engine_greedy_tokens_equal_generate(kind, tok):
     """Through serve's Engine: 3 prompts on 2 slots (the third reuses a freed slot), prefill chunks of 5."""
     from serve.engine import Engine, Sequence
@@ -111,7 +114,7 @@ def test_engine_greedy_tokens_equal_generate(kind, tok):
     refs = [_hf_greedy(model, p, 8) for p in prompts]
     assert len(set(refs[0])) > 1, "degenerate model: greedy repeats one token"
     sm = make_runner(model, 2, 64)
-    assert isinstance(sm, HFCacheModel)
+    assert isinstance(sm, HFCacheModel if kind in KINDS else SlotModel)
     eng = Engine(sm, tok, set(), prefill_chunk=5)
     done = [threading.Event() for _ in prompts]
     seqs = [Sequence(p, SamplingParams(temperature=0.0, max_tokens=8),
@@ -149,8 +152,8 @@ def test_slot_reuse_and_bad_segments():
 def test_factory_picks_the_packed_engine_for_llama_and_refuses_tp_for_generic():
     assert isinstance(make_runner(_model("llama"), 2, 32), SlotModel)
     assert isinstance(make_runner(_model("phi3"), 2, 32), SlotModel)
-    with pytest.raises(UserError, match="--tp: architecture 'gpt2'"):
-        make_runner(_model("gpt2"), 2, 32, generic_ok=False)
+    with pytest.raises(UserError, match="--tp: gpt2 with per-layer attention scaling"):
+        make_runner(_model("gpt2-layerscale"), 2, 32, generic_ok=False)
 
 
 def test_a_feature_the_packed_engine_lacks_falls_back_to_generic(monkeypatch):
@@ -233,7 +236,7 @@ def test_health_says_generic_engine(tmp_path, tok):
     from serve.loader import Loaded
     from tests.serve.conftest import make_server
 
-    model = _model("gpt2", len(tok))
+    model = _model("gpt2-layerscale", len(tok))
     loaded = Loaded(model, tok, set(), 128, None)  # no EOS: 4 tokens every time
     s = make_server(str(tmp_path), loaded, max_batch=2, max_seq_len=64)
     try:

@@ -1,11 +1,23 @@
 """SlotModel's forward against the HF model's own: RoPE variants (table and per-step paths), qwen3's q/k norms,
-Phi-3's fused projections (with and without a sliding window shorter than the prompts)."""
+Phi-3's fused projections (with and without a sliding window shorter than the prompts), GPT-2 (Conv1D, learned
+positions) and GPT-NeoX (interleaved q/k/v rows, partial RoPE, parallel or sequential residual)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from memfit.runtime.slot_model import Segment, SlotModel
 
@@ -23,6 +35,13 @@ _ROPE = {
 
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "gpt2":  # vocabulary 320: its tied lm_head on the panel kernel (a multiple of 16)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                          initializer_range=0.2)).eval()
+    if kind.startswith("gpt_neox"):  # default: RoPE on 4 of 16 head dims, parallel residual
+        seq = dict(rotary_pct=1.0, use_parallel_residual=False) if kind == "gpt_neox-seq" else {}
+        c = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**c, **seq)).eval()
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16)).eval()
     if kind.startswith("phi3"):  # longrope (Phi-3 128k): short factors up to 32 positions, long ones beyond
@@ -34,7 +53,8 @@ def _model(kind: str) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=_ROPE[kind])).eval()
 
 
-@pytest.mark.parametrize("kind", ["default", "llama3", "dynamic", "qwen3", "phi3", "phi3-window", "phi3-longrope"])
+@pytest.mark.parametrize("kind", ["default", "llama3", "dynamic", "qwen3", "phi3", "phi3-window", "phi3-longrope",
+                                  "gpt2", "gpt_neox", "gpt_neox-seq"])
 @pytest.mark.parametrize("dense", ["off", "on"])
 @pytest.mark.parametrize("kernels", ["off", "on"])
 def test_prefill_and_decode_match_hf(kind, dense, kernels):
@@ -46,9 +66,11 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     # packing replaces the modules: reference first
     sm = SlotModel(model, 2, 64, dense_kernel=dense, cpu_kernels=kernels)
     assert (sm.ops is not None) == (kernels == "on")
-    # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms too; not dynamic RoPE)
+    # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms too; not dynamic RoPE,
+    # LayerNorms or non-gated MLPs)
     static = kind not in ("dynamic", "phi3-longrope")  # their RoPE depends on the sequence length
-    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and static)
+    stackable = static and not kind.startswith("gpt")
+    assert (sm.stack is not None) == (kernels == "on" and dense == "on" and stackable)
     assert sm.rope.static == static
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
     check_steps(sm, {0: a, 1: b}, {0: ref_a, 1: ref_b},
