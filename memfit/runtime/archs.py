@@ -8,7 +8,8 @@ families name things differently and differ in four ways:
   ``query_key_value`` holds each head's rows together ([q_h; k_h; v_h]). Both become one nn.Linear ``qkv_proj``
   with rows [q; k; v], the layout SlotModel slices: a copy, the original dropped. A quantized query_key_value
   (a compress output) runs as it is and its output columns are reordered.
-- **Partial RoPE** (GPT-NeoX's rotary_pct, 0.25 in Pythia). The head dims of q and k get one permutation
+- **Partial RoPE** (GPT-NeoX's rotary_pct, 0.25 in Pythia; Phi-3's partial_rotary_factor, 0.75 in Phi-4-mini,
+  through ``permute_partial_rope``). The head dims of q and k get one permutation
   (q.k is unchanged): it puts the rotated dims where a full-width rotate_half pairs them, and the cos/sin table
   is padded with 1 / 0 for the rest. The full-width RoPE kernels then compute partial RoPE exactly.
 - **GPT-2's learned positions.** There is no RoPE (an identity table); SlotModel adds the ``wpe`` rows.
@@ -145,6 +146,43 @@ def _adapt_gpt_neox(hf_model: nn.Module) -> None:
             a.qkv_proj = ReorderedOutput(qkv, order)
         a.o_proj = a.dense
         del a.query_key_value, a.dense
+
+
+def rotary_dims(rotary: nn.Module) -> int:
+    """How many head dims the rotary module's cos/sin cover (all of them unless the RoPE is partial)."""
+    buf = next(iter(rotary.buffers()), None)
+    dev = buf.device if buf is not None and not buf.is_meta else torch.device("cpu")
+    cos, _ = rotary(torch.zeros(1, device=dev), torch.zeros(1, 1, dtype=torch.long, device=dev))
+    return int(cos.shape[-1])
+
+
+def permute_partial_rope(model: nn.Module, layers: list[nn.Module], heads: int, kv_heads: int,
+                         head_dim: int) -> None:
+    """A Llama-layout model (Phi-3 after split_fused_projections) with partial RoPE: its q and k rows permuted
+    per head (rope_permutation) and its rotary module padded, so full-width RoPE computes it. A fused qkv_proj
+    left unsplit, or a quantized q/k_proj, keeps its weights and reorders its output columns instead."""
+    rot = rotary_dims(model.model.rotary_emb)
+    if rot == head_dim:
+        return
+    perm = rope_permutation(head_dim, rot)
+
+    def cols(n: int, start: int = 0) -> torch.Tensor:
+        return start + (torch.arange(n)[:, None] * head_dim + perm).reshape(-1)
+
+    for ly in layers:
+        a = ly.self_attn
+        if hasattr(a, "qkv_proj"):
+            v = torch.arange((heads + kv_heads) * head_dim, (heads + 2 * kv_heads) * head_dim)
+            a.qkv_proj = ReorderedOutput(a.qkv_proj, torch.cat([cols(heads), cols(kv_heads, heads * head_dim), v]))
+            continue
+        for name, n in (("q_proj", heads), ("k_proj", kv_heads)):
+            lin = getattr(a, name)
+            order = cols(n)
+            if type(lin) is nn.Linear and is_resident(lin):
+                setattr(a, name, _linear(lin.weight.detach()[order], None if lin.bias is None else lin.bias[order]))
+            else:
+                setattr(a, name, ReorderedOutput(lin, order))
+    model.model.rotary_emb = PaddedRope(model.model.rotary_emb, head_dim)
 
 
 class ReorderedOutput(nn.Module):

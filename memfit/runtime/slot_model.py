@@ -90,15 +90,13 @@ class SlotModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.split_mlp = model_type == "phi3"
         if self.split_mlp:  # fused qkv_proj / gate_up_proj: split into Llama's projections (views)
-            if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-                raise UnsupportedModel("model: phi3 with partial rotary embeddings is not supported by the packed "
-                                       "engine")
             fused = getattr(self.layers[0].self_attn, "qkv_proj", None)
             if fused is not None and tp_shards(fused) != 1:
                 raise UnsupportedModel("model: phi3 with a tensor-parallel fused qkv_proj is not supported by the "
                                        "packed engine")
             # quantized (a compress output) or biased fused projections are not split: they run as they are
             split_fused_projections(self.layers, self.num_heads * self.head_dim, self.num_kv * self.head_dim)
+            archs.permute_partial_rope(hf_model, self.layers, self.num_heads, self.num_kv, self.head_dim)
             for ly in self.layers:  # split or not, the MLP's activation under Llama's name
                 ly.mlp.act_fn = ly.mlp.activation_fn
         # tensor parallel (transformers tp_plan): q/k/v are column-sharded, so each rank holds a slice of heads

@@ -48,7 +48,7 @@ def _model(kind: str, vocab: int = V) -> torch.nn.Module:
                                        scale_attn_by_inverse_layer_idx=kind == "gpt2-layerscale"))
     elif kind == "gpt_neox":
         m = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, **_SIZES, bos_token_id=1, eos_token_id=2))
-    elif kind.startswith("phi3"):  # plain Phi-3 runs on the packed engine; with partial RoPE on the generic one
+    elif kind.startswith("phi3"):  # Phi-3, with partial RoPE too, runs on the packed engine
         m = Phi3ForCausalLM(Phi3Config(vocab_size=vocab, **_SIZES, num_key_value_heads=2, pad_token_id=0,
                                        bos_token_id=1, eos_token_id=2,
                                        partial_rotary_factor=0.5 if kind == "phi3-partial" else 1.0))
@@ -64,8 +64,8 @@ def _model(kind: str, vocab: int = V) -> torch.nn.Module:
     return m.eval()
 
 
-KINDS = ["gpt2-layerscale", "phi3-partial", "gemma2"]  # on the generic engine
-PACKED = ["gpt2", "gpt_neox"]  # adapted to the packed engine (memfit.runtime.archs)
+KINDS = ["gpt2-layerscale", "gemma2"]  # on the generic engine
+PACKED = ["gpt2", "gpt_neox", "phi3-partial"]  # adapted to the packed engine (memfit.runtime.archs)
 
 
 @pytest.fixture(scope="module")
@@ -177,19 +177,22 @@ def test_a_feature_the_packed_engine_lacks_falls_back_to_generic(monkeypatch):
         make_runner(model, 2, 32)
 
 
-def test_phi3_fused_projections_it_cannot_split_run_fused_on_the_packed_engine(tok):
+@pytest.mark.parametrize("kind", ["phi3", "phi3-partial"])
+def test_phi3_fused_projections_it_cannot_split_run_fused_on_the_packed_engine(kind, tok):
     """A fused qkv_proj that is not a plain bias-free Linear (here: with a bias) is not split: the packed engine
-    calls the fused projections themselves, and its greedy tokens equal HF's."""
+    calls the fused projections themselves (with partial RoPE, their output columns reordered), and its greedy
+    tokens equal HF's."""
     from serve.engine import Engine, Sequence
     from serve.sampling import SamplingParams
 
-    model = _model("phi3", len(tok))
+    model = _model(kind, len(tok))
     attn = model.model.layers[1].self_attn
     attn.qkv_proj.bias = torch.nn.Parameter(0.1 * torch.randn(attn.qkv_proj.out_features))
+    fused = attn.qkv_proj
     ids = list(range(3, 20))
     want = _hf_greedy(model, ids, 6)
     sm = make_runner(model, 2, 64)
-    assert isinstance(sm, SlotModel) and sm.qkv[1] is attn.qkv_proj
+    assert isinstance(sm, SlotModel) and (sm.qkv[1].linear if kind == "phi3-partial" else sm.qkv[1]) is fused
     assert all(hasattr(ly.self_attn, "qkv_proj") and not hasattr(ly.self_attn, "q_proj") for ly in model.model.layers)
     done = threading.Event()
     seq = Sequence(ids, SamplingParams(temperature=0.0, max_tokens=6), lambda ev: done.set() if ev.finish_reason

@@ -45,16 +45,21 @@ def _model(kind: str) -> torch.nn.Module:
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16)).eval()
     if kind.startswith("phi3"):  # longrope (Phi-3 128k): short factors up to 32 positions, long ones beyond
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i / 4 for i in range(8)], "original_max_position_embeddings": 32}
+        # phi3-partial(-longrope): RoPE on 12 of 16 head dims (as Phi-4-mini: 0.75, longrope)
+        partial = {"partial_rotary_factor": 0.75} if "partial" in kind else {}
+        n = 6 if partial else 8
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(n)],
+                "long_factor": [2.0 + i / 4 for i in range(n)], "original_max_position_embeddings": 32, **partial}
+        if not kind.endswith("longrope"):
+            rope = {"rope_type": "default", "rope_theta": 10000.0, **partial}
         return Phi3ForCausalLM(Phi3Config(**_COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                           sliding_window=16 if kind == "phi3-window" else None,
-                                          **({"rope_parameters": rope} if kind == "phi3-longrope" else {}))).eval()
+                                          rope_parameters=rope)).eval()
     return LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=_ROPE[kind])).eval()
 
 
 @pytest.mark.parametrize("kind", ["default", "llama3", "dynamic", "qwen3", "phi3", "phi3-window", "phi3-longrope",
-                                  "gpt2", "gpt_neox", "gpt_neox-seq"])
+                                  "phi3-partial", "phi3-partial-longrope", "gpt2", "gpt_neox", "gpt_neox-seq"])
 @pytest.mark.parametrize("dense", ["off", "on"])
 @pytest.mark.parametrize("kernels", ["off", "on"])
 def test_prefill_and_decode_match_hf(kind, dense, kernels):
@@ -68,7 +73,7 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     assert (sm.ops is not None) == (kernels == "on")
     # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms too; not dynamic RoPE,
     # LayerNorms or non-gated MLPs)
-    static = kind not in ("dynamic", "phi3-longrope")  # their RoPE depends on the sequence length
+    static = kind not in ("dynamic", "phi3-longrope", "phi3-partial-longrope")  # RoPE by sequence length
     stackable = static and not kind.startswith("gpt")
     assert (sm.stack is not None) == (kernels == "on" and dense == "on" and stackable)
     assert sm.rope.static == static
