@@ -71,7 +71,11 @@ def _add_quantize(sub) -> None:
                    "default on for gptq, off for rtn (it raised RTN's KL on Gemma 3 270M) and awq (it searches "
                    "its own)")
     p.add_argument("--skip", default=None, help="comma-separated module names/patterns kept in fp16 "
-                   "(default lm_head, none with a size budget; '' quantizes everything)")
+                   "(default lm_head, none with a size budget or --quantize-embeddings; '' quantizes everything)")
+    p.add_argument("--quantize-embeddings", choices=["int8", "int4"], default=None, help="also store the input "
+                   "embedding and lm_head quantized (RTN; untied where tied): int8 one scale per row, int4 groups "
+                   "of --group-size. The output loads with memfit (compress.load, serve), not with transformers' "
+                   "own loader")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -101,24 +105,33 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         raise UserError("--bits cannot be combined with --max-size/--target-bits: the budget chooses the widths")
     a.bits = a.bits or 4
     method = methods.get(a.method or methods.default("quantize", a.bits), "quantize")
+    if sized and a.quantize_embeddings:
+        raise UserError("--quantize-embeddings cannot be combined with --max-size/--target-bits: the budget chooses "
+                        "lm_head's width itself")
     if sized and method.layer is None:
         raise UserError(f"--max-size/--target-bits: method {method.name} is bitsandbytes' single fixed format; a "
                         "size budget needs a layer-by-layer method (rtn, gptq, awq)")
     _check_dirs(a)
     if a.group_size <= 0:
         raise UserError(f"--group-size must be positive, got {a.group_size}")
-    skip, per_module, record = _skip(a, "" if sized else "lm_head"), None, None
+    skip, per_module, record = _skip(a, "" if sized or a.quantize_embeddings else "lm_head"), None, None
     if sized:  # before the calibration: a budget below the smallest size is refused without any work
         per_module, skip, record = budget.plan(a, skip)
     cal = _calibration(a, method)
     if method.layer is None:  # bitsandbytes: the whole model at load time
+        if a.quantize_embeddings:
+            raise UserError(f"--quantize-embeddings: method {method.name} is bitsandbytes' fixed format; use rtn, "
+                            "gptq or awq")
         summary = bnb.quantize(a.model, out, method.name, a.bits, skip, a.trust_remote_code)
     else:
         opt = QuantizeOptions(bits=a.bits, method=method.name, group_size=a.group_size, sym=bool(a.sym),
                               calibration=cal, skip=skip, act_order=a.act_order, mse=a.mse_clip,
                               group_fallback=not a.no_group_fallback, trust_remote_code=a.trust_remote_code,
-                              bits_per_module=per_module, record=record)
+                              bits_per_module=per_module, record=record, embeddings=a.quantize_embeddings)
         summary = quantize_model(a.model, out, opt)
+        if a.quantize_embeddings:
+            print("note: --quantize-embeddings: load the output with memfit (compress.load, serve); transformers' "
+                  "own from_pretrained cannot build a quantized nn.Embedding yet", file=sys.stderr)
     print(f"wrote {out}: {method.name} {'mixed' if sized else a.bits}-bit, {summary['quantized']} Linear layers "
           f"quantized, skipped {', '.join(summary['skipped']) or 'none'}")
     return 0

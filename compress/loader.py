@@ -14,6 +14,7 @@ from compress.store import WeightSource
 from memfit.errors import UserError
 from memfit.hf import load_pretrained
 from memfit.modeldir import read_config
+from memfit.runtime.embeddings import embed_scale, quant_embedding
 from memfit.runtime.qlinear import quant_linear
 
 
@@ -47,6 +48,14 @@ def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
         q = ctformat.read_quantized(src.get, name, args)
         bias = src.get(f"{name}.bias").float() if f"{name}.bias" in src else None
         model.set_submodule(name, quant_linear(q, bias, device=dev, backend=backend))
+    emb = model.get_input_embeddings()  # quantized by --quantize-embeddings: rows dequantized as looked up
+    emb_name = next(n for n, m in model.named_modules() if m is emb)
+    if f"{emb_name}.weight_packed" in src:
+        args = ctformat.parse_config(qc, [emb_name]).get(emb_name)
+        if args is None:
+            raise UserError(f"{path}: {emb_name} is stored quantized but no config group targets it")
+        q = ctformat.read_quantized(src.get, emb_name, args)
+        model.set_input_embeddings(quant_embedding(q, embed_scale(emb)).to(dev))
     for name, _p in list(model.named_parameters()):
         if name in filled:
             continue

@@ -1,6 +1,7 @@
 """`compress quantize` (and a recipe's quantize step): the layer walk with a quantize method, stored as
 compressed-tensors pack-quantized codes (ctformat.py). Linears outside the decoder layers that are not
-skipped (lm_head with --skip '') get RTN after the walk; a tied lm_head is then untied.
+skipped (lm_head with --skip '') get RTN after the walk; a tied lm_head is then untied. With
+--quantize-embeddings the input embedding and lm_head are stored quantized too (vocab_args).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized, resolve_group_size
 from compress.walk import LayerWalk
 from memfit.defaults import GROUP_SIZE
+from memfit.errors import UserError
 
 
 @dataclass
@@ -52,6 +54,20 @@ class QuantizeOptions:
     """Bits per module name, overriding `bits` (a size budget's allocation, budget.py); others get `bits`."""
     record: dict[str, Any] | None = None
     """Entries added to (or replacing) the output's memfit record, e.g. a size budget's allocation."""
+    embeddings: str | None = None
+    """"int8" / "int4": the input embedding and lm_head quantized too (RTN, untied where tied; vocab_args says
+    how). The output then loads with memfit (compress.load, serve), not with transformers 5's own loader,
+    which reads a quantized nn.Embedding's ``.weight`` in ``_init_weights``."""
+
+
+def vocab_args(kind: str, cols: int, opt: QuantizeOptions) -> QuantArgs:
+    """--quantize-embeddings: int8 = one symmetric scale per row (serve's int8 rows, on the int8 panel kernel);
+    int4 = groups of --group-size (the largest divisor where it does not divide), asymmetric unless --sym."""
+    if kind == "int8":
+        return QuantArgs(8, cols, True)
+    if kind != "int4":
+        raise UserError(f"--quantize-embeddings must be int8 or int4, got {kind!r}")
+    return QuantArgs(4, resolve_group_size("embeddings", cols, opt.group_size, True)[0], opt.sym)
 
 
 def _targets(walk: LayerWalk, opt: QuantizeOptions, mse: bool) -> tuple[dict[str, QuantArgs], dict[str, str]]:
@@ -65,6 +81,13 @@ def _targets(walk: LayerWalk, opt: QuantizeOptions, mse: bool) -> tuple[dict[str
         targets[name] = QuantArgs((opt.bits_per_module or {}).get(name, opt.bits), g, opt.sym, mse)
         if note:
             notes[name] = note
+    head = walk.model.get_output_embeddings()
+    if opt.embeddings and not any(m is head for m in walk.outer.values()):
+        raise UserError("--quantize-embeddings quantizes lm_head too: drop it from --skip")
+    for name, m in walk.outer.items():
+        if opt.embeddings and m is head:
+            targets[name] = vocab_args(opt.embeddings, m.in_features, opt)
+            notes.pop(name, None)
     kinds: dict[str, str] = {}
     for name, note in notes.items():
         kinds.setdefault(name.split(".")[-1], note)
@@ -102,12 +125,20 @@ def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str,
         walk.handled.add(f"{name}.weight")
         quantized.append(name)
         untie = untie or (walk.tied and name.startswith("lm_head"))
+    if opt.embeddings:
+        emb = walk.model.get_input_embeddings()
+        name = next(n for n, m in walk.model.named_modules() if m is emb)
+        targets[name] = vocab_args(opt.embeddings, emb.embedding_dim, opt)
+        walk.tensors.update(ctformat.tensors_for(name, rtn.rtn(emb.weight.data, targets[name])))
+        walk.handled.add(f"{name}.weight")
+        quantized.append(name)
     c = opt.calibration
     memfit = {"method": opt.method, "bits": opt.bits, "group_size": opt.group_size, "symmetric": opt.sym,
               "act_order": opt.act_order, "mse_clip": mse, "skipped": walk.skipped,
               "group_size_fallbacks": {n: targets[n].group_size for n in notes},
               "calibration": {"files": len(c.files), "samples": c.samples, "seqlen": c.seqlen}
-              if method.calibrated and c else None, **(opt.record or {})}
+              if method.calibrated and c else None,
+              **({"embeddings": opt.embeddings} if opt.embeddings else {}), **(opt.record or {})}
     if awq_record:
         memfit["awq"] = {k: sorted(v) for k, v in sorted(awq_record.items())}
     qc = ctformat.quantization_config({n: targets[n] for n in quantized}, memfit)

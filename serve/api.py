@@ -41,7 +41,7 @@ class ServeConfig:
     served_name: str | None = None
     dtype: str = "auto"
     quantize: str | None = None
-    quantize_embeddings: str | None = None  # "int8": lm_head and input embedding as int8 rows
+    quantize_embeddings: str | None = None  # "int8" / "int4": lm_head and input embedding quantized at load
     max_batch: int = 16
     max_seq_len: int | None = None
     prefill_chunk: int = 256
@@ -177,7 +177,7 @@ class State:
                 log.warning("KV cache: %d bytes per block, %d predicted: it takes %s, not the budget's %s",
                             sm.bytes_per_block, kv_kw["bytes_per_block"], format_bytes(sm.cache_bytes),
                             format_bytes(kv_kw["num_blocks"] * kv_kw["bytes_per_block"]))
-            if cfg.quantize_embeddings and getattr(sm, "ops", None) is None:
+            if cfg.quantize_embeddings == "int8" and getattr(sm, "ops", None) is None:
                 raise UserError("--quantize-embeddings needs memfit's CPU kernels (its int8 lm_head runs on them); "
                                 "drop --cpu-kernels off")
             if loaded.tp > 1:

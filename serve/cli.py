@@ -39,10 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch ops (placed, --tp, nf4, --cpu-kernels off) get this dtype whole (auto: fp32)")
     p.add_argument("--quantize", choices=["nf4", "int8"], default=None,
                    help="quantize the decoder Linears at load (int8: torch dynamic; nf4: bitsandbytes)")
-    p.add_argument("--quantize-embeddings", choices=["int8"], default=None,
-                   help="store the lm_head and input embedding as int8 rows (one scale per row): a quarter of the "
-                        "bytes a decode step reads for a large vocabulary (Gemma 3: 671 -> 168 MB); opt-in, "
-                        "its quality cost is in bench/results/embeddings.md")
+    p.add_argument("--quantize-embeddings", choices=["int8", "int4"], default=None,
+                   help="store the lm_head and input embedding as int8 rows (one scale per row: a quarter of the "
+                        "bytes a decode step reads for a large vocabulary, Gemma 3: 671 -> 168 MB) or 4-bit "
+                        "(groups of 128, int4 kernels: an eighth); opt-in, the quality cost is in "
+                        "bench/results/embeddings.md")
     p.add_argument("--max-batch", type=int, default=16, help="max sequences running at once (static KV cache: "
                    "its slots)")
     p.add_argument("--max-seq-len", type=int, default=None,

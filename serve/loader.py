@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.defaults import max_positions
+from memfit.defaults import GROUP_SIZE, max_positions
 from memfit.defaults import max_seq_len as default_max_seq_len
 from memfit.errors import UserError
 from memfit.hf import load_pretrained, load_tokenizer, nf4_config
 from memfit.modeldir import check_model_dir, read_config
-from memfit.runtime.embeddings import quantize_vocab_int8
+from memfit.runtime.embeddings import embed_scale, quant_embedding, quantize_vocab_int8
+from memfit.runtime.qlinear import quant_linear
 
 log = logging.getLogger("serve.loader")
 
@@ -87,15 +88,39 @@ def _eos_ids(model: torch.nn.Module, tok) -> set[int]:
     return ids
 
 
+def quantize_vocab_int4(model: torch.nn.Module) -> dict[str, int]:
+    """The lm_head as a 4-bit Linear (RTN, asymmetric groups of GROUP_SIZE: the int4 kernels) and the input
+    embedding as 4-bit rows (runtime.embeddings.GroupEmbedding), from the same codes when the two are tied (each
+    keeps its own layout: two copies). Returns the bytes of the tables before and after."""
+    from compress.quant import QuantArgs, resolve_group_size
+    from compress.rtn import rtn
+
+    head, emb = getattr(model, "lm_head", None), model.get_input_embeddings()
+    if type(head) is not torch.nn.Linear or not isinstance(emb, torch.nn.Embedding):
+        raise ValueError("quantize_vocab_int4: the model has no plain nn.Linear lm_head and nn.Embedding input")
+    tied = head.weight.data_ptr() == emb.weight.data_ptr()
+    before = head.weight.numel() * head.weight.element_size() * (1 if tied else 2)
+    args = QuantArgs(4, resolve_group_size("lm_head", head.in_features, GROUP_SIZE, True)[0], False)
+    q = rtn(head.weight.detach().float(), args)
+    qe = q if tied else rtn(emb.weight.detach().float(), args)
+    model.lm_head = quant_linear(q, None if head.bias is None else head.bias.detach().float())
+    model.set_input_embeddings(quant_embedding(qe, embed_scale(emb)))
+    model.config.tie_word_embeddings = False
+    after = sum(t.numel() * t.element_size() for m in (model.lm_head, model.get_input_embeddings())
+                for t in [*m.buffers(), *m.parameters()])
+    return {"before_bytes": before, "after_bytes": after}
+
+
 def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=None, max_batch: int = 16,
          max_seq_len: int | None = None, tp: int = 1, quantize_embeddings: str | None = None,
          cpu_kernels: str = "off") -> Loaded:
     """``placement`` (serve.placement.Placement) spreads the model over devices/RAM/disk; ``tp`` > 1 shards
     it over the torchrun ranks with transformers' tp_plan="auto" (every rank calls this);
-    ``quantize_embeddings="int8"`` stores the lm_head and input embedding as int8 rows (runtime.embeddings);
+    ``quantize_embeddings``: the lm_head and input embedding as int8 rows (runtime.embeddings) or 4-bit
+    (quantize_vocab_int4);
     ``cpu_kernels``: the mode the engine will load memfit's kernels in (``bf16_weights`` asks it)."""
-    if quantize_embeddings not in (None, "int8"):
-        raise UserError(f"--quantize-embeddings must be int8, got {quantize_embeddings!r}")
+    if quantize_embeddings not in (None, "int8", "int4"):
+        raise UserError(f"--quantize-embeddings must be int8 or int4, got {quantize_embeddings!r}")
     if quantize_embeddings and (tp > 1 or placement is not None):
         raise UserError("--quantize-embeddings cannot be combined with --device-map/--max-memory/--tp")
     config = read_config(check_model_dir(path, "--model"), "--model")
@@ -163,10 +188,10 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
         how = quantize
     if quantize_embeddings:
         try:
-            sizes = quantize_vocab_int8(model)
+            sizes = quantize_vocab_int8(model) if quantize_embeddings == "int8" else quantize_vocab_int4(model)
         except ValueError as e:
             raise UserError(f"--quantize-embeddings: {e}") from None
-        log.info("vocabulary tables as int8 rows: %.1f -> %.1f MiB", sizes["before_bytes"] / 2**20,
+        log.info("vocabulary tables as %s: %.1f -> %.1f MiB", quantize_embeddings, sizes["before_bytes"] / 2**20,
                  sizes["after_bytes"] / 2**20)
     tok = load_tokenizer(path, flag="--model")
     # compress outputs and --quantize int8 keep their quantized layers; their fp32 lm_head (and any fp32 Linear)

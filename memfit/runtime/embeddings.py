@@ -1,4 +1,5 @@
-"""A large vocabulary's tables as int8 rows: the lm_head (a Linear format) and the input embedding (row lookups).
+"""A large vocabulary's tables as int8 rows: the lm_head (a Linear format) and the input embedding (row lookups);
+and group-quantized (4-bit) embedding rows for a compress output.
 
 Why: on Gemma 3 270M the tied 262,144 x 640 embedding is 168M of the model's 268M parameters, and a decode
 step reads all of it as the lm_head: 671 MB in fp32, more than every decoder layer together. Stored as int8
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from memfit.runtime.quantized import Quantized
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +61,43 @@ class Int8Embedding(nn.Module):
         return rows if self.embed_scale is None else rows * self.embed_scale
 
 
+class GroupEmbedding(nn.Module):
+    """Row lookups from group-quantized codes (a compress output's embedding, ``--quantize-embeddings int4``):
+    W ~= (q - z) * s per (row, group); 4-bit codes two to a byte. Only the looked-up rows are dequantized."""
+
+    def __init__(self, q: Quantized, embed_scale: float | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q.codes.shape
+        self.bits, self.group_size, self.embed_scale = q.bits, q.group_size, embed_scale
+        codes = q.codes.to(torch.uint8)
+        if q.bits == 4:  # low nibble: even column, high nibble: odd column
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", q.scale.float().contiguous())
+        self.register_buffer("zero", q.zero.to(torch.uint8).contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        c = self.codes[ids]
+        if self.bits == 4:
+            c = torch.stack([c & 15, c >> 4], dim=-1).flatten(-2)
+        g = c.float().unflatten(-1, (-1, self.group_size))
+        rows = ((g - self.zero[ids].float().unsqueeze(-1)) * self.scale[ids].unsqueeze(-1)).flatten(-2)
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+def int8_rows_of(q: Quantized) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A symmetric 8-bit, one-group-per-row ``Quantized`` as int8 rows (codes - 128, scale), or None."""
+    if q.bits != 8 or not q.sym or q.group_size != q.codes.shape[1]:
+        return None
+    return (q.codes.to(torch.int16) - 128).to(torch.int8), q.scale[:, 0].float()
+
+
+def quant_embedding(q: Quantized, embed_scale: float | None = None) -> nn.Module:
+    """The input embedding for a quantized table: int8 rows where it is per-row symmetric 8-bit, else groups."""
+    rows = int8_rows_of(q)
+    return Int8Embedding(*rows, embed_scale) if rows is not None else GroupEmbedding(q, embed_scale)
+
+
 def quantize_vocab_int8(model: nn.Module) -> dict[str, int]:
     """Replace the model's lm_head (and its input embedding) by int8 rows, sharing one set of codes when the two
     are tied. Returns the bytes of the tables before and after."""
@@ -73,7 +113,7 @@ def quantize_vocab_int8(model: nn.Module) -> dict[str, int]:
         codes_e, scale_e = int8_rows(emb.weight)
     else:
         codes_e, scale_e = codes, scale
-    model.set_input_embeddings(Int8Embedding(codes_e, scale_e, _embed_scale(emb)))
+    model.set_input_embeddings(Int8Embedding(codes_e, scale_e, embed_scale(emb)))
     model.config.tie_word_embeddings = False  # nothing to tie any more: the codes are shared directly
     after = codes.numel() + scale.numel() * 4 + (0 if tied else codes_e.numel() + scale_e.numel() * 4)
     return {"before_bytes": before, "after_bytes": after}
@@ -101,7 +141,8 @@ class PanelEmbedding(nn.Module):
         return rows if self.embed_scale is None else rows * self.embed_scale
 
 
-def _embed_scale(emb: nn.Module) -> float | None:
+def embed_scale(emb: nn.Module) -> float | None:
+    """The constant a scaled embedding multiplies its rows by (Gemma's sqrt(hidden)), or None."""
     es = getattr(emb, "scalar_embed_scale", None)  # Gemma3TextScaledWordEmbedding
     if es is None and isinstance(getattr(emb, "embed_scale", None), (float, int, torch.Tensor)):
         es = float(emb.embed_scale)
@@ -137,5 +178,5 @@ def pack_tied_vocab(model: nn.Module, ops, bf16: bool = False) -> bool:
         return False  # padded panels would need the lookups to skip the padding: not worth it for odd sizes
     panel = PanelLinear(head, ops, bf16=bf16)
     model.lm_head = panel
-    model.set_input_embeddings(PanelEmbedding(panel, _embed_scale(emb)))
+    model.set_input_embeddings(PanelEmbedding(panel, embed_scale(emb)))
     return True

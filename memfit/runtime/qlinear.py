@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memfit.runtime.embeddings import Int8RowsLinear, int8_rows_of
 from memfit.runtime.quantized import Quantized
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -116,8 +117,12 @@ _BY_BACKEND = {c.FORMAT: c for c in QUANT_LINEARS}
 
 def quant_linear(q: Quantized, bias: torch.Tensor | None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, backend: str | None = None) -> nn.Module:
-    """A compress output's Linear in the format for ``device`` (``pick_backend``), or the one ``backend`` names."""
+    """A compress output's Linear in the format for ``device`` (``pick_backend``; per-row symmetric 8-bit: int8
+    rows, which the int8 panel kernel runs), or the one ``backend`` names."""
     device = torch.device(device)
+    rows = int8_rows_of(q) if backend is None else None
+    if rows is not None:  # per-row symmetric 8-bit (--quantize-embeddings int8): memfit's int8 rows format
+        return Int8RowsLinear(*rows, bias).to(device)
     backend = backend or pick_backend(q, device)
     if backend not in _BY_BACKEND:
         raise ValueError(f"unknown quantized Linear backend {backend!r} ({', '.join(_BY_BACKEND)})")

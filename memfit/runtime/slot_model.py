@@ -148,11 +148,6 @@ class SlotModel:
         self.k_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
         self.v_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
-        head = getattr(hf_model, "lm_head", None)  # after packing, which may replace it (GPT-NeoX: embed_out)
-        self.lm_head = head if head is not None else hf_model.get_output_embeddings()
-        # embedding and lm_head, once a step: their forward straight, without nn.Module.__call__'s hook bookkeeping
-        self._embed = plain_forward(hf_model.get_input_embeddings())
-        self._lm_head = plain_forward(self.lm_head)
 
         # q/k/v and gate/up as one call each; a checkpoint's own fused projection (Phi-3's, where it was not split:
         # split_fused_projections) is used as it is, its outputs already [q; k; v] / [gate; up]
@@ -163,6 +158,12 @@ class SlotModel:
                         if all(hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None)
                         for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
+        # after packing and int4_on_kernels, which may replace it (GPT-NeoX: embed_out)
+        head = getattr(hf_model, "lm_head", None)
+        self.lm_head = head if head is not None else hf_model.get_output_embeddings()
+        # embedding and lm_head, once a step: their forward straight, without nn.Module.__call__'s hook bookkeeping
+        self._embed = plain_forward(hf_model.get_input_embeddings())
+        self._lm_head = plain_forward(self.lm_head)
         self.bf16_dot = bf16  # bf16 mode: int4 prefill rows on vdpbf16ps too (x and dequantized weights in bf16)
         for m in [*hf_model.modules(), *self.qkv, *self.gate_up]:
             if hasattr(m, "bf16_dot"):

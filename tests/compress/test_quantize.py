@@ -10,8 +10,10 @@ from transformers import AutoModelForCausalLM
 import compress
 from compress import ctformat
 from compress.cli import main
+from compress.loader import load
 from compress.quant import QuantArgs
 from compress.store import WeightSource
+from memfit.runtime.embeddings import GroupEmbedding, Int8Embedding
 from memfit.runtime.linear import weight_format
 
 from .conftest import logits
@@ -29,8 +31,8 @@ def reference(fp_dir: Path, q_dir: Path) -> torch.nn.Module:
     qc = cfg["quantization_config"]
     model = AutoModelForCausalLM.from_pretrained(fp_dir, dtype=torch.float32,
                                                  tie_word_embeddings=cfg["tie_word_embeddings"]).eval()
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    per = ctformat.parse_config(qc, names)
+    names = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    per = ctformat.parse_config(qc, names)  # the embedding where --quantize-embeddings stored it quantized
     src = WeightSource(q_dir)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -53,7 +55,9 @@ def test_save_then_load_gives_the_same_logits(tiny: Path, tmp_path: Path, bits: 
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
     model = compress.load(out)
     q_proj = model.model.layers[0].self_attn.q_proj
-    assert weight_format(q_proj) == ("int4_cpu" if bits == 4 else "dequant")
+    # 8-bit symmetric with one group per row (q_proj: 128 inputs, group 128) loads as int8 rows (panel kernel)
+    want_format = "int4_cpu" if bits == 4 else "int8_rows" if (bits, extra) == (8, ["--sym"]) else "dequant"
+    assert weight_format(q_proj) == want_format
     got, want = logits(model, IDS), logits(reference(tiny, out), IDS)
     tol = 3e-2 if bits == 4 else 1e-4  # the int4 kernel runs bf16 activations
     assert (got - want).abs().max() < tol * want.abs().max()
@@ -95,6 +99,43 @@ def test_quantize_lm_head_unties(tiny: Path, tmp_path: Path) -> None:
     assert weight_format(model.lm_head) in ("int4_cpu", "dequant")
     got, want = logits(model, IDS), logits(reference(tiny, out), IDS)
     assert (got - want).abs().max() < 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantize_embeddings_stores_both_tables_quantized(tiny: Path, tmp_path: Path, kind: str) -> None:
+    """--quantize-embeddings: the (tied) embedding and lm_head stored quantized and untied; compress.load gives
+    the logits of the fp model holding the dequantized tables; the fast formats: int8 rows / the int4 kernel."""
+    out = tmp_path / "q"
+    quantize(tiny, out, "--method", "rtn", "--quantize-embeddings", kind)
+    cfg = json.loads((out / "config.json").read_text())
+    memfit = cfg["quantization_config"]["memfit"]
+    assert cfg["tie_word_embeddings"] is False and memfit["embeddings"] == kind and memfit["skipped"] == []
+    src, fp = WeightSource(out), WeightSource(tiny)
+    assert "model.embed_tokens.weight" not in src and "lm_head.weight" not in src
+    table = sum(src.get(k).numel() * src.get(k).element_size() for k in src.keys() if k.startswith("model.embed"))
+    fp16 = fp.get("model.embed_tokens.weight").numel() * 2
+    assert table <= (0.55 if kind == "int8" else 0.3) * fp16  # codes plus per-row / per-group scales
+    exact = load(out, backend="dequant")
+    assert isinstance(exact.get_input_embeddings(), Int8Embedding if kind == "int8" else GroupEmbedding)
+    want = logits(reference(tiny, out), IDS)
+    assert (logits(exact, IDS) - want).abs().max() < 1e-4 * want.abs().max()
+    assert (want - logits(AutoModelForCausalLM.from_pretrained(tiny), IDS)).abs().max() > 0  # really quantized
+    fast = compress.load(out)
+    assert weight_format(fast.lm_head) == ("int8_rows" if kind == "int8" else "int4_cpu")
+    got = logits(fast, IDS)
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()  # the 4-bit layers: torch's int4 op, bf16
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--skip", "lm_head"], "--quantize-embeddings quantizes lm_head too"),
+    (["--max-size", "1MB"], "cannot be combined with --max-size"),
+    (["--method", "nf4"], "bitsandbytes' fixed format"),
+])
+def test_quantize_embeddings_refusals_exit_2(tiny: Path, tmp_path: Path, capsys, extra: list[str],
+                                            message: str) -> None:
+    code = main(["quantize", str(tiny), "-o", str(tmp_path / "q"), "--quantize-embeddings", "int4", *extra])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("bits,extra", [(4, ["--asym"]), (4, ["--sym"]), (8, ["--sym"]), (8, ["--asym"]),

@@ -1,5 +1,6 @@
-"""memfit.runtime.embeddings: the lm_head and input embedding as int8 rows equal a model whose tables hold the
-dequantized values, on the HF forward and on SlotModel's int8 panel kernel; Gemma's embedding scale kept."""
+"""memfit.runtime.embeddings: the lm_head and input embedding as int8 rows (and, serve's int4 at load, as 4-bit
+groups) equal a model whose tables hold the dequantized values, on the HF forward and on SlotModel's kernels;
+Gemma's embedding scale kept."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from memfit.errors import UserError
-from memfit.runtime.embeddings import Int8Embedding, PanelEmbedding, int8_rows, quantize_vocab_int8
+from memfit.runtime.embeddings import GroupEmbedding, Int8Embedding, PanelEmbedding, int8_rows, quantize_vocab_int8
 from memfit.runtime.linear import weight_format
 from memfit.runtime.slot_model import Segment, SlotModel
 
@@ -91,5 +92,49 @@ def test_tied_fp32_head_on_the_panel_kernel_reads_embeddings_from_it(kind: str) 
 def test_serve_loader_refuses_bad_values(tmp_path) -> None:
     from serve.loader import load
 
-    with pytest.raises(UserError, match="--quantize-embeddings must be int8"):
-        load(str(tmp_path), quantize_embeddings="int4")
+    with pytest.raises(UserError, match="--quantize-embeddings must be int8 or int4"):
+        load(str(tmp_path), quantize_embeddings="int2")
+
+
+@pytest.mark.parametrize("bits,sym,group", [(4, False, 16), (4, True, 64), (3, False, 32), (8, False, 64)])
+def test_group_embedding_rows_equal_the_dequantized_table(bits: int, sym: bool, group: int) -> None:
+    from compress.quant import QuantArgs
+    from compress.rtn import rtn
+
+    w = torch.randn(50, 64) * torch.logspace(-2, 1, 50)[:, None]
+    q = rtn(w, QuantArgs(bits, group, sym))
+    ids = torch.tensor([[0, 49, 7, 7], [13, 2, 31, 48]])
+    emb = GroupEmbedding(q, embed_scale=2.5)
+    torch.testing.assert_close(emb(ids), q.dequantize()[ids] * 2.5, atol=0, rtol=0)
+    if bits == 4:  # two codes a byte
+        assert emb.codes.shape == (50, 32) and emb.codes.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", True), ("llama", False), ("gemma3", True)])
+def test_int4_tables_at_load_equal_the_dequantized_model(kind: str, tied: bool) -> None:
+    """serve --quantize-embeddings int4: lm_head on the int4 kernels, embedding rows 4-bit (Gemma's scale kept);
+    against the model holding the dequantized tables, on the HF forward and on the packed engine."""
+    from compress.quant import QuantArgs
+    from compress.rtn import rtn
+    from serve.loader import quantize_vocab_int4
+
+    model = _model(kind, tied)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in {id(ref.lm_head.weight): ref.lm_head.weight, id(ref.get_input_embeddings().weight):
+                  ref.get_input_embeddings().weight}.values():
+            t.copy_(rtn(t.detach().float(), QuantArgs(4, 64, False)).dequantize())  # hidden 64: group 64
+    sizes = quantize_vocab_int4(model)
+    assert sizes["after_bytes"] < sizes["before_bytes"] * (0.3 if tied else 0.16)
+    assert isinstance(model.get_input_embeddings(), GroupEmbedding)
+    assert weight_format(model.lm_head) == "int4_cpu" and not model.config.tie_word_embeddings
+    ids = torch.randint(3, 320, (1, 30))
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+        got = model(ids).logits[0]
+    # the int4 pack keeps its scales and zeros in bf16 (and torch's op rounds activations to bf16)
+    assert (got - want).abs().max() < 3e-2 * want.abs().max()
+    sm = SlotModel(model, 1, 64, dense_kernel="on", cpu_kernels="on")  # the lm_head on memfit's int4 kernel
+    assert sm.int4_kernel >= 1 and weight_format(sm.lm_head) == weight_format(model.lm_head) != "int4_cpu"
+    out = sm.forward(ids[0], [Segment(0, 0, 30)])
+    assert (out[0] - want[-1]).abs().max() < 3e-2 * want.abs().max()
