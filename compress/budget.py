@@ -33,7 +33,7 @@ from torch import nn
 from compress import calib, ctformat, sensitivity
 from compress.evaluate import format_table
 from compress.quant import QuantArgs, resolve_group_size
-from compress.skeleton import decoder_layers, hf_config, meta_model, refuse_unsupported_linears
+from compress.skeleton import conv1d_as_linear, decoder_layers, hf_config, meta_model
 from compress.walk import skipped
 from memfit.errors import UserError
 from memfit.hf import load_tokenizer
@@ -102,7 +102,7 @@ def candidates(model_dir: str, skip: list[str], group_size: int, sym: bool, fall
     config = hf_config(model_dir, trust_remote_code)
     model = meta_model(config, trust_remote_code)
     layers_name, layers = decoder_layers(model, config)
-    refuse_unsupported_linears(layers, config)
+    conv1d_as_linear(model, config)
     emb = getattr(model.get_input_embeddings(), "weight", None)
     tied = next((n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is emb), None)
     cands: list[Candidate] = []

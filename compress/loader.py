@@ -9,7 +9,13 @@ from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 
 from compress import ctformat, structured
-from compress.skeleton import check_no_meta, fix_meta_buffers, hf_config, meta_model
+from compress.skeleton import (
+    check_no_meta,
+    conv1d_as_linear,
+    fix_meta_buffers,
+    hf_config,
+    meta_model,
+)
 from compress.store import WeightSource
 from memfit.errors import UserError
 from memfit.hf import load_pretrained
@@ -37,6 +43,8 @@ def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
         raise UserError(f"{path}: quantization method {method!r} is not supported")
     config = hf_config(path, trust_remote_code)
     model = meta_model(config, trust_remote_code)
+    # gpt2: its Conv1D layers as the Linears compress wrote them (a dense one is stored [in, out]: transposed)
+    transposed = conv1d_as_linear(model, config)
     dev = torch.device(device)
     filled = structured.prepare(model, src, qc, dev)  # low-rank (two Linears) and sparse-bitmask layers
     linear_names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -61,7 +69,8 @@ def load(path: str | Path, device: str = "cpu", trust_remote_code: bool = False,
             continue
         if name not in src and name.startswith("lm_head") and getattr(config, "tie_word_embeddings", False):
             continue
-        set_module_tensor_to_device(model, name, dev, value=src.get(name).float())
+        value = src.get(name).float()
+        set_module_tensor_to_device(model, name, dev, value=value.t().contiguous() if name in transposed else value)
     if getattr(config, "tie_word_embeddings", False) and "lm_head" not in per_module:
         model.tie_weights()
     fix_meta_buffers(model, config)

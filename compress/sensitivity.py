@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers.pytorch_utils import Conv1D
 
 from compress.quant import QuantArgs
 from compress.rtn import rtn
@@ -134,9 +135,10 @@ def measure(model_dir: str, plan: dict[str, list[QuantArgs]], tokens: torch.Tens
                     layers[j] = _Replay(outputs[j]) if j < i else real[j]
                 mod = model.get_submodule(name)
                 w = mod.weight.data
+                conv = isinstance(mod, Conv1D)  # gpt2: [in, out], quantized as the Linear it is (groups along in)
                 try:
                     for a in plan[name]:
-                        mod.weight.data = rtn(w, a).dequantize()
+                        mod.weight.data = rtn(w.t(), a).dequantize().t() if conv else rtn(w, a).dequantize()
                         sums[name][a.bits] += _kl_sum(ref_lp, model(input_ids=ids, use_cache=False).logits[0])
                         bar.update()
                 finally:

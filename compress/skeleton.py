@@ -60,24 +60,35 @@ def checkpoint_aliases(model: nn.Module, src: WeightSource) -> dict[str, str]:
     return out
 
 
-def refuse_unsupported_linears(layers: nn.ModuleList, config: PretrainedConfig) -> None:
-    """UserError for decoder layers built from transformers' Conv1D (gpt2: weight stored [in, out]), which no
-    compress method or format handles; naming the module type beats leaving those weights silently in fp16."""
-    for name, m in layers.named_modules():
+def conv1d_as_linear(model: nn.Module, config: PretrainedConfig) -> set[str]:
+    """Replace every transformers Conv1D of the (meta) decoder layers (gpt2's c_attn / c_proj / c_fc: y = x @ W + b
+    with W stored [in, out]) by an nn.Linear of the same function, so every method and format sees a Linear
+    weight [out, in]. Returns the full names of the weights whose checkpoint tensors are stored transposed
+    (``materialize`` reads them transposed; a layer weight written back dense is transposed back)."""
+    if not any(isinstance(m, Conv1D) for m in model.modules()):
+        return set()
+    layers_name, layers = decoder_layers(model, config)
+    names = set()
+    for name, m in list(layers.named_modules()):
         if isinstance(m, Conv1D):
-            raise UserError(f"model type {config.model_type!r}: decoder-layer module {name} is a transformers "
-                            f"{type(m).__name__} (weight stored [in, out]), not an nn.Linear; compress supports "
-                            "nn.Linear layers only")
+            in_f, out_f = m.weight.shape
+            with torch.device("meta"):
+                layers.set_submodule(name, nn.Linear(in_f, out_f, bias=m.bias is not None))
+            names.add(f"{layers_name}.{name}.weight")
+    return names
 
 
 def materialize(module: nn.Module, prefix: str, src: WeightSource, dtype: torch.dtype = torch.float32,
-                alias: dict[str, str] | None = None) -> None:
-    """Load every parameter (and persistent buffer) of module from src as dtype, on CPU."""
+                alias: dict[str, str] | None = None, transposed: set[str] | None = None) -> None:
+    """Load every parameter (and persistent buffer) of module from src as dtype, on CPU; the full names in
+    ``transposed`` (conv1d_as_linear) are stored [in, out] and read transposed."""
     for name, p in list(module.named_parameters()):
         key = prefix + name
         if key not in src and alias and key in alias:
             key = alias[key]
         value = src.get(key)
+        if transposed and prefix + name in transposed:
+            value = value.t().contiguous()
         if tuple(value.shape) != tuple(p.shape):
             raise UserError(f"{src.path}: tensor {key} has shape {tuple(value.shape)}, the config implies "
                             f"{tuple(p.shape)}")

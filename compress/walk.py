@@ -9,14 +9,15 @@ plus the calibration activations. The output is written to a temp dir and rename
 
 Targets are the nn.Linear modules of the decoder layers (any architecture: the layers are the model's
 ModuleList of num_hidden_layers modules). transformers' Conv1D (gpt2's c_attn/c_proj/c_fc: a Linear with its
-weight stored [in, out]) is refused with a UserError rather than silently left in fp16: every compress format
-and the loader's quantized Linears describe nn.Linear weights (out, in).
+weight stored [in, out]) becomes an nn.Linear (skeleton.conv1d_as_linear), its weight read transposed: every
+compress format and the loader's quantized Linears describe nn.Linear weights (out, in).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,12 +33,12 @@ from compress.layerjob import Batch, LayerJob
 from compress.quant import QuantArgs
 from compress.skeleton import (
     checkpoint_aliases,
+    conv1d_as_linear,
     decoder_layers,
     fix_meta_buffers,
     hf_config,
     materialize,
     meta_model,
-    refuse_unsupported_linears,
 )
 from compress.store import WeightSource
 from memfit.errors import UserError
@@ -129,7 +130,7 @@ class LayerWalk:
         self.model = meta_model(self.config, trust_remote_code)
         self.layers_name, self.layers = decoder_layers(self.model, self.config)
         self.inner = self.layers_name + "."
-        refuse_unsupported_linears(self.layers, self.config)
+        self.transposed = conv1d_as_linear(self.model, self.config)  # gpt2: Conv1D weights as Linears
         self.linears = {n: m for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
         wanted = {n: m for n, m in self.linears.items() if not skipped(n, skip)}
         self.targets = {n: m for n, m in wanted.items() if n.startswith(self.inner)}
@@ -177,14 +178,15 @@ class LayerWalk:
         for i in tqdm(range(len(self.layers)), desc=desc or method.name, unit="layer", disable=not progress):
             prefix = f"{self.inner}{i}."
             layer = self.layers[i]
-            materialize(layer, prefix, self.src, alias=self.alias)
+            materialize(layer, prefix, self.src, alias=self.alias, transposed=self.transposed)
             lin = {n: m for n, m in layer.named_modules() if prefix + n in self.targets}
             job = LayerJob(layer, prefix, lin, {n: args[prefix + n] for n in lin} if args else {}, self.config,
                            self.inputs[i] if self.inputs else [], dict(options or {}))
             store(job, method.layer(job))
             for pname, p in layer.named_parameters():
                 if prefix + pname not in self.handled:
-                    self.tensors[prefix + pname] = p.detach().to(torch.float16).contiguous()
+                    t = p.detach().to(torch.float16)  # a Conv1D left dense goes back to its [in, out] layout
+                    self.tensors[prefix + pname] = (t.t() if prefix + pname in self.transposed else t).contiguous()
             if self.inputs and i < len(self.layers) - 1:
                 outs = job.run()
                 self.inputs[i] = []
@@ -204,6 +206,12 @@ class LayerWalk:
         cfg.update(extra or {})
         if qc:
             cfg["quantization_config"] = qc
+        if self.transposed:  # gpt2
+            if qc:
+                qc.setdefault("memfit", {})["conv1d_as_linear"] = True
+            print("note: the model's Conv1D layers are stored as Linear weights [out, in]: load the output with "
+                  "memfit (compress.load, serve); transformers' own loader would leave them uninitialized",
+                  file=sys.stderr)
 
         def write(tmp: Path) -> None:
             tmp.mkdir(parents=True)

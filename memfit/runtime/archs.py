@@ -18,9 +18,9 @@ families name things differently and differ in four ways:
 LayerNorms and the non-gated MLPs run as the HF modules. Containers and norms, which nothing replaces, get plain
 attribute aliases (not registered twice); the Linears that packing replaces are registered under the new name.
 After ``adapt`` the HF modules' own forward is not called again. ``check`` refuses, before anything changes,
-what this cannot convert: a tensor-parallel query_key_value, GPT-2 projections that are not resident Conv1Ds
-(offloaded), GPT-2 cross-attention or scale_attn_by_inverse_layer_idx. Those models then run on the generic
-engine.
+what this cannot convert: a tensor-parallel query_key_value, offloaded GPT-2 Conv1Ds (a compress output's
+quantized GPT-2 Linears run as they are), GPT-2 cross-attention or scale_attn_by_inverse_layer_idx. Those models
+then run on the generic engine.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def check(hf_model: nn.Module) -> None:
 
         blocks = hf_model.transformer.h
         convs = [m for b in blocks for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
-        if any(type(m) is not Conv1D or not is_resident(m) for m in convs):
-            raise UnsupportedModel("model: gpt2 with quantized, offloaded or sharded projections is not "
-                                   "supported by the packed engine")
+        if any(isinstance(m, Conv1D) and not is_resident(m) for m in convs):  # others: a compress output's Linears
+            raise UnsupportedModel("model: gpt2 with offloaded or sharded projections is not supported by the "
+                                   "packed engine")
     elif mt == "gpt_neox":
         layers = hf_model.gpt_neox.layers
         if any(tp_shards(ly.attention.query_key_value) != 1 for ly in layers):
@@ -93,8 +93,11 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
-def _from_conv1d(conv: nn.Module) -> nn.Linear:
-    return _linear(conv.weight.t(), conv.bias)  # Conv1D computes x @ W + b with W [in, out]
+def _from_conv1d(conv: nn.Module) -> nn.Module:
+    """A Conv1D (x @ W + b, W [in, out]) as an nn.Linear; a compress output's quantized Linear as it is."""
+    from transformers.pytorch_utils import Conv1D
+
+    return _linear(conv.weight.t(), conv.bias) if isinstance(conv, Conv1D) else conv
 
 
 def _adapt_gpt2(hf_model: nn.Module) -> None:
