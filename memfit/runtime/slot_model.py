@@ -40,7 +40,6 @@ from memfit.runtime.offload import LayerPrefetcher
 from memfit.runtime.rope import Rope
 
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"} | archs.ADAPTED_TYPES
-__all__ = ["SUPPORTED_TYPES", "Segment", "SlotModel", "UnsupportedModel"]
 
 
 @dataclass
