@@ -1,11 +1,13 @@
-"""The vocabulary tables as int8 rows (serve --quantize-embeddings int8): quality and decode speed on a real model.
+"""The vocabulary tables quantized (serve --quantize-embeddings int8 / int4): quality and decode speed on a real
+model.
 
     python bench/embeddings.py                       # Gemma 3 270M from `make real-model`
     python bench/embeddings.py --model DIR --tokens 4096
 
-Quality, on held-out Shakespeare (the plays compress never calibrates on): mean per-token KL(fp32 || int8 tables),
-top-1 agreement and perplexity of both, window by window (seqlen tokens each). Speed: SlotModel decode steps
-(batch 1 and 16, the serving engine's forward) on the fp32 model and on the int8-table model, interleaved
+Quality, on held-out Shakespeare (the plays compress never calibrates on): mean per-token KL(fp32 || quantized
+tables), top-1 agreement and perplexity, window by window (seqlen tokens each). int4 is the RTN of
+`compress quantize --quantize-embeddings int4` (asymmetric groups of 32). Speed: SlotModel decode steps (batch
+1 and 16, the serving engine's forward) on the fp32 model and on each quantized-table model, interleaved
 rounds, medians. Writes bench/results/embeddings.md and .json.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import time
@@ -27,10 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress import calib  # noqa: E402
-from compress.evaluate import host_isa  # noqa: E402
+from compress.evaluate import cpu_model, host_isa  # noqa: E402
 from memfit.hf import load_pretrained, load_tokenizer  # noqa: E402
 from memfit.runtime.embeddings import quantize_vocab_int8  # noqa: E402
 from memfit.runtime.slot_model import Segment, SlotModel  # noqa: E402
+from serve.loader import quantize_vocab_int4  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -38,7 +40,7 @@ RESULTS = ROOT / "bench" / "results"
 @torch.inference_mode()
 def quality(fp: torch.nn.Module, q: torch.nn.Module, tokens: torch.Tensor, seqlen: int) -> dict:
     kl_sum = agree = n = 0
-    nll = {"fp32": 0.0, "int8": 0.0}
+    nll = {"fp32": 0.0, "q": 0.0}
     for start in range(0, len(tokens) - 1, seqlen):
         ids = tokens[start:start + seqlen + 1]
         if len(ids) < 2:
@@ -49,14 +51,13 @@ def quality(fp: torch.nn.Module, q: torch.nn.Module, tokens: torch.Tensor, seqle
         kl_sum += float((lp.exp() * (lp - lq)).sum())
         agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
         nll["fp32"] -= float(lp.gather(1, y[:, None]).sum())
-        nll["int8"] -= float(lq.gather(1, y[:, None]).sum())
+        nll["q"] -= float(lq.gather(1, y[:, None]).sum())
         n += len(y)
     return {"tokens": n, "kl_mean": kl_sum / n, "top1_agreement": agree / n,
             "ppl_fp32": float(torch.exp(torch.tensor(nll["fp32"] / n))),
-            "ppl_int8": float(torch.exp(torch.tensor(nll["int8"] / n)))}
+            "ppl": float(torch.exp(torch.tensor(nll["q"] / n)))}
 
 
-@torch.inference_mode()
 def decode_ms(sm: SlotModel, batch: int, steps: int = 8, prompt: int = 32) -> float:
     """Median ms of a decode step of ``batch`` sequences (each prefilled with ``prompt`` tokens first)."""
     g = torch.Generator().manual_seed(batch)
@@ -86,6 +87,9 @@ def real_model_args(argv: list[str] | None, doc: str, prog: str, rounds: int) ->
     return a
 
 
+KINDS = {"int8": quantize_vocab_int8, "int4": quantize_vocab_int4}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = real_model_args(argv, __doc__, "bench/embeddings.py", 3)
     if a is None:
@@ -94,41 +98,49 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(a.model)
     tokens = calib.eval_tokens(tok, calib.default_eval_files(), a.tokens)
     fp = load_pretrained(a.model).eval()
-    q = copy.deepcopy(fp)
-    sizes = quantize_vocab_int8(q)
-    t0 = time.perf_counter()
-    qual = quality(fp, q, tokens, a.seqlen)
-    print(f"quality on {qual['tokens']} held-out tokens ({time.perf_counter() - t0:.0f} s): {json.dumps(qual)}")
-    engines = {"fp32 tables": SlotModel(fp, 16, 128, dense_kernel="auto", cpu_kernels="auto"),
-               "int8 tables": SlotModel(q, 16, 128, dense_kernel="auto", cpu_kernels="auto")}
+    models, sizes, qual = {}, {}, {}
+    for kind, quantize in KINDS.items():
+        models[kind] = copy.deepcopy(fp)
+        sizes[kind] = quantize(models[kind])
+        t0 = time.perf_counter()
+        qual[kind] = quality(fp, models[kind], tokens, a.seqlen)
+        print(f"{kind}: quality on {qual[kind]['tokens']} held-out tokens ({time.perf_counter() - t0:.0f} s): "
+              f"{json.dumps(qual[kind])}", flush=True)
+    engines = {f"{k} tables": SlotModel(m, 16, 128, dense_kernel="auto", cpu_kernels="auto")
+               for k, m in {"fp32": fp, **models}.items()}
     speed: dict[str, dict[int, list[float]]] = {k: {1: [], 16: []} for k in engines}
-    for _ in range(a.rounds):  # interleaved: fp32, int8, fp32, int8, ...
+    for _ in range(a.rounds):  # interleaved: fp32, int8, int4, fp32, ...
         for name, sm in engines.items():
             for b in (1, 16):
                 speed[name][b].append(decode_ms(sm, b))
     med = {k: {b: statistics.median(v) for b, v in d.items()} for k, d in speed.items()}
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": a.model,
-              "host": f"{platform.processor() or platform.machine()} ({host_isa()}), {torch.get_num_threads()} threads",
+              "host": f"{cpu_model()} ({host_isa()}), {torch.get_num_threads()} threads",
               "torch": torch.__version__, "tables_bytes": sizes, "quality": qual, "decode_ms_rounds": speed,
               "decode_ms_median": med}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "embeddings.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["# Vocabulary tables as int8 rows (`serve --quantize-embeddings int8`)", "",
+    fp_bytes = sizes["int8"]["before_bytes"]
+    lines = ["# Vocabulary tables quantized (`serve --quantize-embeddings int8|int4`)", "",
              f"Run {result['date']} on {result['host']}, torch {result['torch']}. Model: `{a.model}`. "
              f"Command: `python bench/embeddings.py`.", "",
-             f"Tables: {sizes['before_bytes'] / 2**20:.1f} MiB fp32 -> {sizes['after_bytes'] / 2**20:.1f} MiB int8 "
-             f"rows ({sizes['after_bytes'] / sizes['before_bytes']:.3f}x).", "",
-             f"Quality on {qual['tokens']} held-out tokens ({', '.join(calib.HELD_OUT)}), windows of {a.seqlen}:", "",
-             "| metric | value |", "|---|---:|",
-             f"| mean per-token KL(fp32 \\|\\| int8 tables) | {qual['kl_mean']:.5f} |",
-             f"| top-1 agreement | {qual['top1_agreement']:.4f} |",
-             f"| perplexity fp32 | {qual['ppl_fp32']:.3f} |",
-             f"| perplexity int8 tables | {qual['ppl_int8']:.3f} |", "",
-             f"Decode step (SlotModel, the serving engine's forward), median of {a.rounds} interleaved rounds "
-             "of 8 steps:", "", "| batch | fp32 tables (ms) | int8 tables (ms) | speed-up |", "|---:|---:|---:|---:|"]
+             f"Quality on {qual['int8']['tokens']} held-out tokens ({', '.join(calib.HELD_OUT)}), windows of "
+             f"{a.seqlen}; perplexity of the fp32 model {qual['int8']['ppl_fp32']:.3f}. Tables: {fp_bytes / 2**20:.1f} "
+             "MiB in fp32 (tied: one table).", "",
+             "| tables | bytes (MiB) | / fp32 | mean per-token KL to fp32 | top-1 agreement | perplexity |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for kind in KINDS:
+        after, qk = sizes[kind]["after_bytes"], qual[kind]
+        lines.append(f"| {kind} | {after / 2**20:.1f} | {after / fp_bytes:.3f} | {qk['kl_mean']:.5f} | "
+                     f"{qk['top1_agreement']:.4f} | {qk['ppl']:.3f} |")
+    lines += ["", "int8: one symmetric scale per row, lm_head and embedding share the codes (one table). int4: "
+              "asymmetric groups of 32; the lm_head (int4 kernel pack) and the embedding rows are two copies.", "",
+              f"Decode step (SlotModel, the serving engine's forward), median of {a.rounds} interleaved rounds "
+              "of 8 steps:", "", "| batch | fp32 tables (ms) | int8 tables (ms) | int4 tables (ms) | int8 speed-up "
+              "| int4 speed-up |", "|---:|---:|---:|---:|---:|---:|"]
     for b in (1, 16):
-        f32, i8 = med["fp32 tables"][b], med["int8 tables"][b]
-        lines.append(f"| {b} | {f32:.2f} | {i8:.2f} | {f32 / i8:.2f}x |")
+        f32, i8, i4 = (med[f"{k} tables"][b] for k in ("fp32", "int8", "int4"))
+        lines.append(f"| {b} | {f32:.2f} | {i8:.2f} | {i4:.2f} | {f32 / i8:.2f}x | {f32 / i4:.2f}x |")
     (RESULTS / "embeddings.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

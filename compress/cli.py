@@ -74,8 +74,8 @@ def _add_quantize(sub) -> None:
                    "(default lm_head, none with a size budget or --quantize-embeddings; '' quantizes everything)")
     p.add_argument("--quantize-embeddings", choices=["int8", "int4"], default=None, help="also store the input "
                    "embedding and lm_head quantized (RTN; untied where tied): int8 one scale per row, int4 groups "
-                   "of --group-size. The output loads with memfit (compress.load, serve), not with transformers' "
-                   "own loader")
+                   "of 32 (far more quality lost: bench/results/embeddings.md). The output loads with memfit "
+                   "(compress.load, serve), not with transformers' own loader")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--seed", type=int, default=0)

@@ -17,7 +17,7 @@ from compress.calib import Calibration
 from compress.layerjob import LayerJob
 from compress.quant import QuantArgs, Quantized, resolve_group_size
 from compress.walk import LayerWalk
-from memfit.defaults import GROUP_SIZE
+from memfit.defaults import GROUP_SIZE, TABLE_GROUP_SIZE
 from memfit.errors import UserError
 
 
@@ -60,14 +60,15 @@ class QuantizeOptions:
     which reads a quantized nn.Embedding's ``.weight`` in ``_init_weights``."""
 
 
-def vocab_args(kind: str, cols: int, opt: QuantizeOptions) -> QuantArgs:
+def vocab_args(kind: str, cols: int) -> QuantArgs:
     """--quantize-embeddings: int8 = one symmetric scale per row (serve's int8 rows, on the int8 panel kernel);
-    int4 = groups of --group-size (the largest divisor where it does not divide), asymmetric unless --sym."""
+    int4 = asymmetric groups of TABLE_GROUP_SIZE (the largest divisor where it does not divide): a vocabulary
+    table loses far more at 4 bits than a decoder Linear (memfit/defaults.py has the measurements)."""
     if kind == "int8":
         return QuantArgs(8, cols, True)
     if kind != "int4":
         raise UserError(f"--quantize-embeddings must be int8 or int4, got {kind!r}")
-    return QuantArgs(4, resolve_group_size("embeddings", cols, opt.group_size, True)[0], opt.sym)
+    return QuantArgs(4, resolve_group_size("embeddings", cols, TABLE_GROUP_SIZE, True)[0], False)
 
 
 def _targets(walk: LayerWalk, opt: QuantizeOptions, mse: bool) -> tuple[dict[str, QuantArgs], dict[str, str]]:
@@ -86,7 +87,7 @@ def _targets(walk: LayerWalk, opt: QuantizeOptions, mse: bool) -> tuple[dict[str
         raise UserError("--quantize-embeddings quantizes lm_head too: drop it from --skip")
     for name, m in walk.outer.items():
         if opt.embeddings and m is head:
-            targets[name] = vocab_args(opt.embeddings, m.in_features, opt)
+            targets[name] = vocab_args(opt.embeddings, m.in_features)
             notes.pop(name, None)
     kinds: dict[str, str] = {}
     for name, note in notes.items():
@@ -128,7 +129,7 @@ def quantize_model(model_dir: str, out: Path, opt: QuantizeOptions) -> dict[str,
     if opt.embeddings:
         emb = walk.model.get_input_embeddings()
         name = next(n for n, m in walk.model.named_modules() if m is emb)
-        targets[name] = vocab_args(opt.embeddings, emb.embedding_dim, opt)
+        targets[name] = vocab_args(opt.embeddings, emb.embedding_dim)
         walk.tensors.update(ctformat.tensors_for(name, rtn.rtn(emb.weight.data, targets[name])))
         walk.handled.add(f"{name}.weight")
         quantized.append(name)

@@ -20,6 +20,9 @@ CALIB_SEQLEN = 512
 
 # Input columns that share one quantization scale.
 GROUP_SIZE = 128
+# ... in a 4-bit vocabulary table (--quantize-embeddings int4). Gemma 3 270M's tied table, RTN asymmetric, mean
+# per-token KL to fp32 on 1024 held-out tokens: groups of 128 0.283, 32 0.150, 16 0.099 (int8 rows: 0.010).
+TABLE_GROUP_SIZE = 32
 
 
 def default_model() -> str:

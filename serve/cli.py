@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize-embeddings", choices=["int8", "int4"], default=None,
                    help="store the lm_head and input embedding as int8 rows (one scale per row: a quarter of the "
                         "bytes a decode step reads for a large vocabulary, Gemma 3: 671 -> 168 MB) or 4-bit "
-                        "(groups of 128, int4 kernels: an eighth); opt-in, the quality cost is in "
-                        "bench/results/embeddings.md")
+                        "(groups of 32, int4 kernels; a tied table is then held twice, and on Gemma 3 it costs "
+                        "far more quality than int8); opt-in, the costs are in bench/results/embeddings.md")
     p.add_argument("--max-batch", type=int, default=16, help="max sequences running at once (static KV cache: "
                    "its slots)")
     p.add_argument("--max-seq-len", type=int, default=None,

@@ -114,7 +114,7 @@ def test_quantize_embeddings_stores_both_tables_quantized(tiny: Path, tmp_path: 
     assert "model.embed_tokens.weight" not in src and "lm_head.weight" not in src
     table = sum(src.get(k).numel() * src.get(k).element_size() for k in src.keys() if k.startswith("model.embed"))
     fp16 = fp.get("model.embed_tokens.weight").numel() * 2
-    assert table <= (0.55 if kind == "int8" else 0.3) * fp16  # codes plus per-row / per-group scales
+    assert table <= (0.55 if kind == "int8" else 0.36) * fp16  # codes plus per-row / per-32 scales and zeros
     exact = load(out, backend="dequant")
     assert isinstance(exact.get_input_embeddings(), Int8Embedding if kind == "int8" else GroupEmbedding)
     want = logits(reference(tiny, out), IDS)
