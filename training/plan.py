@@ -135,8 +135,9 @@ def map_large_allocations() -> bool:
     to 32 MiB. After one training step nearly every activation (4 x 1024 x 640 fp32 is 10 MiB) lands on
     the heap instead, between longer-lived tensors, and what the forward frees stays in RSS as fragments
     until a trim: on Gemma 3 270M (LoRA, chunked CE, batch 4 x 1024) the second step peaked 1.8 GiB above
-    the first. A fixed threshold also stops the rise. Skipped when the user set MALLOC_MMAP_THRESHOLD_
-    (their choice) and where libc is not glibc. Returns whether it was applied."""
+    the first. A fixed threshold also stops the rise. The price is page faults on fresh pages: 13-24% longer
+    steps there (docs/training.md has the A/B). Skipped when the user set MALLOC_MMAP_THRESHOLD_ (their choice:
+    speed over memory) and where libc is not glibc. Returns whether it was applied."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc = _glibc()
