@@ -127,7 +127,7 @@ def test_quantize_embeddings_stores_both_tables_quantized(tiny: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--skip", "lm_head"], "--quantize-embeddings quantizes lm_head too"),
+    (["--skip", "lm_head", "--method", "rtn"], "--quantize-embeddings quantizes lm_head too"),
     (["--max-size", "1MB"], "cannot be combined with --max-size"),
     (["--method", "nf4"], "bitsandbytes' fixed format"),
 ])
