@@ -7,8 +7,9 @@ vocabulary: llama (gated SiLU MLP, RMSNorm, the C++ layer loop), phi3 (fused pro
 phi3 with partial RoPE (0.75, Phi-4-mini's), gpt2 (Conv1D, learned positions, LayerNorm, GELU MLP) and
 gpt_neox (head-interleaved q/k/v, partial RoPE 0.25, parallel residual). Their MLP widths are chosen so that
 each has the parameters of the Llama (gated MLPs: 8/3 x hidden, non-gated: 4 x hidden). Measured on SlotModel
-(serve's engine, memfit's kernels, fp32): a decode step at batch 1 and 16 (after 32-token prompts) and a
-256-token prefill chunk, interleaved rounds, medians, and each as a ratio to Llama in the same run.
+(serve's engine; memfit's kernels forced on, since "auto" times the panels per shape and may leave them off;
+fp32): a decode step at batch 1 and 16 (after 32-token prompts) and a 256-token prefill chunk, interleaved
+rounds, medians, and each as a ratio to Llama in the same run.
 Writes bench/results/architectures.md and .json.
 """
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in KINDS:
         model = build(kind, a.hidden, a.layers)
         params[kind] = sum(p.numel() for p in model.parameters())
-        sm = make_runner(model, 16, 512, dense_kernel="auto", cpu_kernels="auto")
+        sm = make_runner(model, 16, 512, dense_kernel="on", cpu_kernels="on")  # "auto" may time panels out
         if not isinstance(sm, SlotModel):
             print(f"{kind}: not on the packed engine ({sm.reason})", file=sys.stderr)
             return 1
