@@ -37,16 +37,7 @@ VOCAB = 32768
 
 
 def build(kind: str, hidden: int, layers: int) -> torch.nn.Module:
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Phi3Config,
-        Phi3ForCausalLM,
-    )
+    import transformers as hf
 
     torch.manual_seed(0)
     heads = hidden // 64
@@ -54,18 +45,18 @@ def build(kind: str, hidden: int, layers: int) -> torch.nn.Module:
                  num_key_value_heads=heads, intermediate_size=hidden * 8 // 3 // 64 * 64,
                  max_position_embeddings=1024, tie_word_embeddings=False)
     if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**gated)).eval()
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**gated)).eval()
     if kind.startswith("phi3"):
         rope = {"rope_type": "default", "rope_theta": 10000.0,
                 **({"partial_rotary_factor": 0.75} if kind == "phi3-partial" else {})}
-        return Phi3ForCausalLM(Phi3Config(**gated, rope_parameters=rope, pad_token_id=0)).eval()
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**gated, rope_parameters=rope, pad_token_id=0)).eval()
     if kind == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads,
-                                          n_positions=1024, tie_word_embeddings=False)).eval()
+        return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads,
+                                                n_positions=1024, tie_word_embeddings=False)).eval()
     if kind == "gpt_neox":
-        return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
-                                                num_attention_heads=heads, intermediate_size=4 * hidden,
-                                                max_position_embeddings=1024)).eval()
+        return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                                                      num_attention_heads=heads, intermediate_size=4 * hidden,
+                                                      max_position_embeddings=1024)).eval()
     raise ValueError(kind)
 
 

@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from memfit.runtime.slot_model import Segment, SlotModel
 
@@ -36,12 +26,13 @@ _ROPE = {
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":  # vocabulary 320: its tied lm_head on the panel kernel (a multiple of 16)
-        return GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                          initializer_range=0.2)).eval()
+        cfg = transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      initializer_range=0.2)
+        return transformers.GPT2LMHeadModel(cfg).eval()
     if kind.startswith("gpt_neox"):  # default: RoPE on 4 of 16 head dims, parallel residual
         seq = dict(rotary_pct=1.0, use_parallel_residual=False) if kind == "gpt_neox-seq" else {}
         c = {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"}
-        return GPTNeoXForCausalLM(GPTNeoXConfig(**c, **seq)).eval()
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**c, **seq)).eval()
     if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**_COMMON, head_dim=16)).eval()
     if kind.startswith("phi3"):  # longrope (Phi-3 128k): short factors up to 32 positions, long ones beyond
