@@ -70,7 +70,8 @@ class GroupEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = q.codes.shape
         self.bits, self.group_size, self.embed_scale = q.bits, q.group_size, embed_scale
         codes = q.codes.to(torch.uint8)
-        if q.bits == 4:  # low nibble: even column, high nibble: odd column
+        self.nibbles = q.bits == 4 and self.embedding_dim % 2 == 0
+        if self.nibbles:  # low nibble: even column, high nibble: odd column
             codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", q.scale.float().contiguous())
@@ -78,7 +79,7 @@ class GroupEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         c = self.codes[ids]
-        if self.bits == 4:
+        if self.nibbles:
             c = torch.stack([c & 15, c >> 4], dim=-1).flatten(-2)
         g = c.float().unflatten(-1, (-1, self.group_size))
         rows = ((g - self.zero[ids].float().unsqueeze(-1)) * self.scale[ids].unsqueeze(-1)).flatten(-2)
