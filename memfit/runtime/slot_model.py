@@ -157,9 +157,8 @@ class SlotModel:
                         if all(hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None)
                         for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
-        # after packing and int4_on_kernels, which may replace it (GPT-NeoX: embed_out)
-        head = getattr(hf_model, "lm_head", None)
-        self.lm_head = head if head is not None else hf_model.get_output_embeddings()
+        # after packing and int4_on_kernels, which may replace it (GPT-NeoX's is embed_out)
+        self.lm_head = hf_model.get_output_embeddings()
         # embedding and lm_head, once a step: their forward straight, without nn.Module.__call__'s hook bookkeeping
         self._embed = plain_forward(hf_model.get_input_embeddings())
         self._lm_head = plain_forward(self.lm_head)
