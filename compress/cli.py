@@ -111,6 +111,9 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     if sized and method.layer is None:
         raise UserError(f"--max-size/--target-bits: method {method.name} is bitsandbytes' single fixed format; a "
                         "size budget needs a layer-by-layer method (rtn, gptq, awq)")
+    if a.quantize_embeddings and method.layer is None:
+        raise UserError(f"--quantize-embeddings: method {method.name} is bitsandbytes' fixed format; use rtn, "
+                        "gptq or awq")
     _check_dirs(a)
     if a.group_size <= 0:
         raise UserError(f"--group-size must be positive, got {a.group_size}")
@@ -119,9 +122,6 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         per_module, skip, record = budget.plan(a, skip)
     cal = _calibration(a, method)
     if method.layer is None:  # bitsandbytes: the whole model at load time
-        if a.quantize_embeddings:
-            raise UserError(f"--quantize-embeddings: method {method.name} is bitsandbytes' fixed format; use rtn, "
-                            "gptq or awq")
         summary = bnb.quantize(a.model, out, method.name, a.bits, skip, a.trust_remote_code)
     else:
         opt = QuantizeOptions(bits=a.bits, method=method.name, group_size=a.group_size, sym=bool(a.sym),
