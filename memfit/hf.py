@@ -71,9 +71,28 @@ def load_pretrained(path: str, allow_pickle: bool = False, trust_remote_code: bo
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "tokenizer"):
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"{flag}: could not load a tokenizer from {path}: {e}") from None
+    drop_build_tables(tok)
+    return tok
+
+
+def drop_build_tables(tok) -> int:
+    """Free the Python vocabulary dict and merges list a fast tokenizer was built from; returns how many.
+
+    Why: transformers' BPE tokenizer classes (Gemma's, Llama's, GPT-NeoX's...) keep the ``_vocab`` and
+    ``_merges`` they passed to the Rust tokenizer, which holds its own copy and is all that encodes, decodes
+    and saves afterwards. For Gemma 3's 262,144 tokens and 514,906 merges that was 160 MiB of the process
+    (263 vs 103 MiB for the same tokenizer.json loaded as a plain fast tokenizer)."""
+    if getattr(tok, "_tokenizer", None) is None:  # a slow (Python) tokenizer encodes with them
+        return 0
+    dropped = 0
+    for name, kind in (("_vocab", dict), ("_merges", list)):
+        if isinstance(tok.__dict__.get(name), kind):
+            delattr(tok, name)
+            dropped += 1
+    return dropped
 
 
 def nf4_config(compute_dtype: torch.dtype, skip: list[str] | None = None, double_quant: bool = False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from memfit.defaults import max_seq_len
 from memfit.errors import UserError
+from memfit.heap import release_free_memory
 from memfit.runtime.generic import PACKED, HFCacheModel, make_runner
 from memfit.runtime.linear import format_counts
 from memfit.runtime.slot_model import SlotModel
@@ -186,6 +188,8 @@ class State:
                 sm = Driver(sm)
             self.placement = _placement_info(loaded, sm)
             _warmup(sm)
+            gc.collect()
+            release_free_memory()  # the load's transient copies (dtype casts, repacking) would stay as heap fragments
             self.loaded, self.tok, self.max_seq_len = loaded, loaded.tokenizer, msl
             self.engine = Engine(sm, loaded.tokenizer, loaded.eos_ids, cfg.prefill_chunk, cfg.max_queue, self.metrics,
                                  own_thread=not cfg.engine_on_event_loop, prefix_caching=cfg.prefix_caching)

@@ -20,6 +20,7 @@ from accelerate import Accelerator, DistributedType
 from tqdm import tqdm
 
 from memfit.errors import UserError
+from memfit.heap import map_large_allocations, release_free_memory
 from memfit.modeldir import atomic_dir, check_model_dir
 from training import checkpoint as ckpt
 from training import precision as amp
@@ -30,10 +31,8 @@ from training.memory import MemoryReport, fill_static
 from training.offload import offload_activations
 from training.plan import (
     MemoryPlan,
-    map_large_allocations,
     peak_bytes,
     process_bytes,
-    release_free_memory,
     reset_peak,
 )
 from training.setup import (

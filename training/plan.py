@@ -17,13 +17,12 @@ prediction next to the measured peak.
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 
+from memfit.heap import release_free_memory
 from training.config import TrainConfig
 from training.losses import auto_chunk_tokens
 from training.memory import mib
@@ -121,49 +120,6 @@ def loss_bytes(cfg: TrainConfig, tokens: int, vocab: int, low_precision: bool) -
         return tokens * vocab * (4 + 4 + (2 if low_precision else 0))
     chunk = min(tokens, cfg.loss_chunk_tokens or auto_chunk_tokens(vocab))
     return 3 * chunk * vocab * 4  # one chunk's logits, softmax-minus-onehot, and its compute-dtype copy
-
-
-MMAP_THRESHOLD_BYTES = 1 << 20
-"""CPU allocations from this size up get their own mmap, returned to the OS the moment they are freed."""
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
-
-def map_large_allocations() -> bool:
-    """glibc: serve every allocation >= MMAP_THRESHOLD_BYTES by mmap, fixed for the rest of the process.
-
-    Why: glibc's mmap threshold starts at 128 KiB but rises to the size of each mmapped block freed, up
-    to 32 MiB. After one training step nearly every activation (4 x 1024 x 640 fp32 is 10 MiB) lands on
-    the heap instead, between longer-lived tensors, and what the forward frees stays in RSS as fragments
-    until a trim: on Gemma 3 270M (LoRA, chunked CE, batch 4 x 1024) the second step peaked 1.8 GiB above
-    the first. A fixed threshold also stops the rise. The price is page faults on fresh pages: 13-24% longer
-    steps there (docs/training.md has the A/B). Skipped when the user set MALLOC_MMAP_THRESHOLD_ (their choice:
-    speed over memory) and where libc is not glibc. Returns whether it was applied."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    libc = _glibc()
-    return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-
-
-def release_free_memory() -> None:
-    """Hand free heap pages back to the OS (glibc malloc_trim): small tensors freed between forward and
-    backward would otherwise stay in RSS as heap fragments."""
-    libc = _glibc()
-    if libc:
-        libc.malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    global _LIBC
-    if _LIBC is None:
-        try:
-            lib = ctypes.CDLL("libc.so.6")
-            _LIBC = lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else False
-        except OSError:
-            _LIBC = False  # not glibc
-    return _LIBC or None
-
-
-_LIBC: ctypes.CDLL | bool | None = None
 
 
 def settled_bytes(device: torch.device) -> int:

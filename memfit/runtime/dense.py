@@ -288,9 +288,11 @@ def _faster(out_features: int, in_features: int, threads: int, ops=None, rounds:
     return best["onednn"][0] < 0.9 * best["mkl"][0] and best["onednn"][1] <= 1.05 * best["mkl"][1]
 
 
-def _file_maps() -> list[tuple[int, int]]:
+def file_maps() -> list[tuple[int, int]]:
     """Address ranges of this process's memory maps of *.safetensors files (weights loaded zero-copy)."""
-    out = []
+    out: list[tuple[int, int]] = []
+    if not sys.platform.startswith("linux"):
+        return out
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():
             parts = line.split(maxsplit=5)
@@ -302,7 +304,7 @@ def _file_maps() -> list[tuple[int, int]]:
     return out
 
 
-def _drop_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
+def drop_file_pages(t: torch.Tensor, maps: list[tuple[int, int]]) -> None:
     """Give back the page-cache pages of a weight read zero-copy from a safetensors file once nothing uses
     it: they are clean copies of the file, but still count in the server's RSS (measured +124 MiB for the
     serving benchmark's 33.7M model). Only whole pages inside the tensor, only inside a file mapping."""
@@ -335,7 +337,7 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = Fa
             todo = [t for t in todo if weight_format(t[2]) != "fp"]
             if not todo:
                 return 0
-    maps = _file_maps() if sys.platform.startswith("linux") else []
+    maps = file_maps()
     by_parent: dict[int, tuple[nn.Module, dict[str, nn.Linear]]] = {}
     for parent, name, child in todo:
         by_parent.setdefault(id(parent), (parent, {}))[1][name] = child
@@ -359,5 +361,5 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = Fa
             setattr(parent, name, _packed(child, ops, bf16))
     for _, _, child in todo:  # nothing else reads these weights now (candidates share no storage)
         if weight_format(child) == "fp" and child.weight.dtype == torch.float32:
-            _drop_file_pages(child.weight.detach(), maps)
+            drop_file_pages(child.weight.detach(), maps)
     return len(todo)
