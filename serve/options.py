@@ -21,8 +21,9 @@ def add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-folder", default=None, help="where disk-offloaded tensors that must be converted "
                    "are written (default: a temp dir; safetensors checkpoints are read in place)")
     p.add_argument("--dense-kernel", choices=["auto", "on", "off"], default="auto",
-                   help="fp32 CPU Linears through oneDNN on weights reordered once at load (memfit.runtime): auto "
-                        "times both kernels on the model's largest Linear at load and uses oneDNN where faster")
+                   help="fp32 CPU Linears packed once at load (memfit.runtime.dense): on memfit's panel kernel "
+                        "where --cpu-kernels runs (auto packs them), else through oneDNN (auto times it against "
+                        "MKL on the model's largest Linear at load and packs where faster)")
     p.add_argument("--cpu-kernels", choices=["auto", "on", "off"], default="auto",
                    help="memfit's CPU kernels (Linears, norms, RoPE + KV write, attention, the C++ layer loop; "
                         "memfit.runtime.kernels), compiled once per machine with the system C++ compiler (make install "

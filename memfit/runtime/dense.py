@@ -6,7 +6,8 @@ oneDNN's inner product on a pre-reordered weight (`torch.ops.mkldnn._linear_poin
 faster per call at M = 1..256 in an A/B of the same shapes. On the serving benchmark's 33.7M Llama, a whole
 decode step with 2 threads was 1.48x faster at batch 1 and 1.23x at batch 16 (10.7 vs 15.8 ms, 24.2 vs
 29.8 ms); with 1 thread only 1.04x. Because the gain depends on the CPU and the thread count, ``auto``
-times both kernels on the model's own largest Linear shape at load and packs only when oneDNN wins.
+without memfit's kernels times both on the model's own largest Linear shape at load and packs only when
+oneDNN wins; with them it always packs (the panel kernel, below; why in ``pack_linears``).
 Results equal ``F.linear`` to fp32 rounding (max |diff| 2e-6 on that model's logits).
 
 q/k/v and the MLP's gate/up of one layer are packed as one fused weight (their inputs are the same): one
@@ -330,8 +331,12 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = Fa
     if not todo:
         return 0
     fp = [c for _, _, c in todo if weight_format(c) == "fp"]
-    # int8 and bf16 weights are always packed: their fallbacks dequantize per call or run bf16 matmuls
-    if mode == "auto" and fp and not bf16:
+    # int8 and bf16 weights are always packed: their fallbacks dequantize per call or run bf16 matmuls. With
+    # memfit's kernels fp32 ones are too: packing is also what fuses q/k/v and gate/up (activation in the GEMM's
+    # epilogue) and puts the layers on the C++ loop, which no single Linear's timing sees. Timed per shape it
+    # said no at random on this CPU (a weight hot in cache favours MKL), and then a decode step of a random
+    # SmolLM2-135M-shaped Llama took 29.5 ms, packed 18.9 (batch 16: 77.2 vs 32.8; 2 threads, AVX-512 Xeon).
+    if mode == "auto" and fp and not bf16 and ops is None:
         largest = max(fp, key=lambda c: c.in_features * c.out_features)
         if not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
             todo = [t for t in todo if weight_format(t[2]) != "fp"]

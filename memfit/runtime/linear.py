@@ -41,6 +41,20 @@ def activation(fn) -> str | None:
     """Which of ``ACTS`` an MLP's ``act_fn`` computes (SiLU; GELU's tanh approximation, as HF's
     gelu_pytorch_tanh and gelu_new), or None. Probed on a fixed input once, as ``rms_norm_weight`` probes
     norms, rather than read from class names."""
+    return _probe(fn, ACTS)
+
+
+# the activations the C++ layer loop applies between a non-gated MLP's up and down projections (GPT-2's gelu_new,
+# GPT-NeoX's exact GELU), as csrc/stack.h's PlainAct
+PLAIN_ACTS = {"gelu_tanh": 1, "gelu": 2, "relu": 3, "silu": 4}
+
+
+def plain_activation(fn) -> str | None:
+    """Which of ``PLAIN_ACTS`` a non-gated MLP's activation computes, or None (probed as ``activation``)."""
+    return _probe(fn, PLAIN_ACTS)
+
+
+def _probe(fn, names) -> str | None:
     if not callable(fn):
         return None
     x = torch.linspace(-8, 8, 161)
@@ -51,9 +65,10 @@ def activation(fn) -> str | None:
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != torch.float32:
         return None
-    refs = {"silu": torch.nn.functional.silu(x), "gelu_tanh": torch.nn.functional.gelu(x, approximate="tanh")}
-    for name, ref in refs.items():
-        if torch.allclose(y, ref, atol=1e-6, rtol=1e-5):
+    F = torch.nn.functional
+    refs = {"silu": F.silu(x), "gelu_tanh": F.gelu(x, approximate="tanh"), "gelu": F.gelu(x), "relu": F.relu(x)}
+    for name in names:
+        if torch.allclose(y, refs[name], atol=1e-6, rtol=1e-5):
             return name
     return None
 

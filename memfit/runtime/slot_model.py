@@ -157,6 +157,10 @@ class SlotModel:
                         if all(hasattr(ly.mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) else None)
                         for ly in self.layers]
         self.int4_kernel = int4_on_kernels(hf_model, self.ops)  # the other int4 projections (memfit.runtime.int4)
+        # ... a checkpoint's own fused ones (GPT-2's c_attn, Phi-3's) among them: read again
+        self.qkv = [getattr(ly.self_attn, "qkv_proj", None) or q for ly, q in zip(self.layers, self.qkv, strict=True)]
+        self.gate_up = [getattr(ly.mlp, "gate_up_proj", None) or g
+                        for ly, g in zip(self.layers, self.gate_up, strict=True)]
         # after packing and int4_on_kernels, which may replace it (GPT-NeoX's is embed_out)
         self.lm_head = hf_model.get_output_embeddings()
         # embedding and lm_head, once a step: their forward straight, without nn.Module.__call__'s hook bookkeeping

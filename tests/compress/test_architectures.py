@@ -293,7 +293,8 @@ def test_calibration_keeps_each_layers_own_mask(arch_dirs, eval_ids) -> None:
 
 def test_gpt2_conv1d_layers_compress_as_linears(tmp_path: Path, eval_ids, calib_file: Path, capsys) -> None:
     """gpt2's Conv1D (weight stored [in, out]) is compressed as the Linear it is: every method's output loads
-    with compress.load (its Conv1Ds become Linears), the 4-bit one runs on serve's packed engine, and compress
+    with compress.load (its Conv1Ds become Linears), the 4-bit one runs on serve's packed engine (on the C++
+    layer loop too), and compress
     says that transformers' own loader cannot read these outputs."""
     from memfit.runtime.generic import make_runner
     from memfit.runtime.slot_model import Segment, SlotModel
@@ -315,12 +316,12 @@ def test_gpt2_conv1d_layers_compress_as_linears(tmp_path: Path, eval_ids, calib_
     for d in ("p", "l"):
         model = compress.load(tmp_path / d)
         assert kl_against(model, ref)[0] < 1.0, d  # random weights: pruning / low rank move the logits a lot
-    model = compress.load(tmp_path / "rtn")
     ids = eval_ids[0, :40]
-    want = logits(model, ids[None])[0]
-    sm = make_runner(model, 2, 64)
-    assert isinstance(sm, SlotModel)
-    first = sm.forward(ids[:33], [Segment(0, 0, 33)])[0]
-    last = sm.forward(ids[33:], [Segment(0, 33, 7)])[0]
-    for got, w in ((first, want[32]), (last, want[39])):
-        assert (got - w).abs().max() < 2e-2 * w.abs().max() and got.argmax() == w.argmax()
+    want = logits(compress.load(tmp_path / "rtn"), ids[None])[0]
+    for kernels in ("off", "on"):  # on: the C++ layer loop over the int4 kernels (LayerNorms, GELU MLP in C++)
+        sm = make_runner(compress.load(tmp_path / "rtn"), 2, 64, dense_kernel=kernels, cpu_kernels=kernels)
+        assert isinstance(sm, SlotModel) and (sm.stack is not None) == (kernels == "on")
+        first = sm.forward(ids[:33], [Segment(0, 0, 33)])[0]
+        last = sm.forward(ids[33:], [Segment(0, 33, 7)])[0]
+        for got, w in ((first, want[32]), (last, want[39])):
+            assert (got - w).abs().max() < 2e-2 * w.abs().max() and got.argmax() == w.argmax(), kernels

@@ -76,8 +76,7 @@ def test_chunked_prefill_logits_equal_unchunked(loaded, model_dir, chunk, path):
     if path == "cpp":
         # the server's default: the C++ layer loop. Packing rewrites modules, so on a model of its own: not a
         # deepcopy of the shared one, which a live server of an earlier test may have packed already (its panel
-        # Linears hold the kernels' Python module, which cannot be copied; whether `--dense-kernel auto` packs
-        # depends on a timing at load, so that failed only sometimes)
+        # Linears hold the kernels' Python module, which cannot be copied)
         sm = SlotModel(load(model_dir).model, 2, 256, dense_kernel="on", cpu_kernels="on")
         assert sm.stack is not None
     else:

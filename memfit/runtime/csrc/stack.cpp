@@ -2,7 +2,8 @@
 // is used). Why: the Python loop dispatched ~25 ops a layer. Same-process A/B on the serving benchmark's 33.7M
 // Llama, decode step Python loop vs this: batch 1 4-bit 3.80 vs 2.46 ms, fp32 7.41 vs 5.82; batch 16 0.87x;
 // outputs bit-equal. Layers beyond Llama's (stack.h: LayerSpec): q/k norms per head (in rope_store), Gemma's
-// sandwich norms, a RoPE table per layer type, sliding windows, GELU-tanh gate/up pairs.
+// sandwich norms, a RoPE table per layer type, sliding windows, GELU-tanh gate/up pairs; GPT-2 / GPT-NeoX's
+// LayerNorms, non-gated MLPs and parallel residual.
 #include <torch/extension.h>
 
 #include "common.h"
@@ -35,7 +36,20 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
   TORCH_CHECK(false, "unknown linear kind ", l.kind);
 }
 
-at::Tensor norm(const Norm& n, const at::Tensor& x) { return rms_norm(x, n.w, n.eps); }
+at::Tensor norm(const Norm& n, const at::Tensor& x) {
+  return n.b.defined() ? at::layer_norm(x, {x.size(-1)}, n.w, n.b, n.eps) : rms_norm(x, n.w, n.eps);
+}
+
+// a non-gated MLP's activation (PlainAct), in place on the up projection's output
+void plain_act(at::Tensor& u, int64_t act) {
+  switch (act) {
+    case kPlainGeluTanh: at::gelu_(u, "tanh"); return;
+    case kPlainGelu: at::gelu_(u, "none"); return;
+    case kPlainRelu: at::relu_(u); return;
+    case kPlainSilu: at::silu_(u); return;
+  }
+  TORCH_CHECK(false, "unknown MLP activation ", act);
+}
 
 // a sequence's cached rows [0, end) of one layer's paged cache [blocks, KV, bs, D] as fp32 [1, KV, end, D]: a view
 // of its block where they are in one (the static fp32 cache), else gathered through the block table (int8 rows
@@ -81,12 +95,14 @@ void chunk_on_aten(const at::Tensor& qp, const at::Tensor& kp, const at::Tensor&
 
 }  // namespace
 
-LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, std::vector<int64_t> kinds,
+LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> norm_bias, std::vector<double> eps,
+                       std::vector<int64_t> kinds,
                        std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> c,
                        std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
                        std::vector<at::Tensor> v_cache, std::vector<at::Tensor> k_scale,
                        std::vector<at::Tensor> v_scale, std::vector<int64_t> ropes, std::vector<int64_t> windows,
-                       int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot)
+                       std::vector<int64_t> mlp_acts, std::vector<int64_t> parallel, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot)
     : kc_(std::move(k_cache)), vc_(std::move(v_cache)), H_(heads), KV_(kv_heads), D_(head_dim), scale_(scale) {
   const size_t L = kc_.size();
   TORCH_CHECK(k_scale.size() == L && v_scale.size() == L, "LayerStack: a K and a V scale (maybe empty) per layer");
@@ -94,21 +110,28 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<double> eps, s
     ks_.push_back(k_scale[li].numel() ? c10::optional<at::Tensor>(k_scale[li]) : c10::nullopt);
     vs_.push_back(v_scale[li].numel() ? c10::optional<at::Tensor>(v_scale[li]) : c10::nullopt);
   }
-  TORCH_CHECK(vc_.size() == L && norms.size() == kNorms * L && eps.size() == kNorms * L && kinds.size() == 4 * L &&
-                  a.size() == 4 * L && b.size() == 4 * L && c.size() == 4 * L && groups.size() == 4 * L &&
-                  blocks.size() == 4 * L && ropes.size() == L && windows.size() == L,
-              "LayerStack: 6 norms, 4 linears (qkv, o, gate_up, down), a RoPE table and a window per layer");
+  TORCH_CHECK(vc_.size() == L && norms.size() == kNorms * L && norm_bias.size() == kNorms * L &&
+                  eps.size() == kNorms * L && kinds.size() == 4 * L && a.size() == 4 * L && b.size() == 4 * L &&
+                  c.size() == 4 * L && groups.size() == 4 * L && blocks.size() == 4 * L && ropes.size() == L &&
+                  windows.size() == L && mlp_acts.size() == L && parallel.size() == L,
+              "LayerStack: 6 norms, 4 linears (qkv, o, gate_up, down), a RoPE table, a window, an MLP activation "
+              "and a residual kind per layer");
   auto none = [](const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; };
   for (size_t li = 0; li < L; ++li) {
     LayerSpec ls;
-    for (size_t k = 0; k < kNorms; ++k) ls.norms[k] = Norm{none(norms[kNorms * li + k]), eps[kNorms * li + k]};
+    for (size_t k = 0; k < kNorms; ++k)
+      ls.norms[k] = Norm{none(norms[kNorms * li + k]), none(norm_bias[kNorms * li + k]), eps[kNorms * li + k]};
     ls.rope = ropes[li];
     ls.window = windows[li];
+    ls.mlp_act = mlp_acts[li];
+    ls.parallel = parallel[li] != 0;
     const auto& n = ls.norms;
     TORCH_CHECK(n[kNormIn].w.defined() && n[kNormPost].w.defined() &&
                     n[kNormPreFfw].w.defined() == n[kNormPostFfw].w.defined() &&
-                    n[kNormQ].w.defined() == n[kNormK].w.defined() && ls.rope >= 0 && ls.window >= 0,
-                "LayerStack: layer ", li, ": input and post-attention norms, both or none of the MLP's and of q/k's");
+                    n[kNormQ].w.defined() == n[kNormK].w.defined() && ls.rope >= 0 && ls.window >= 0 &&
+                    !n[kNormQ].b.defined() && !n[kNormK].b.defined() && !(ls.parallel && n[kNormPreFfw].w.defined()),
+                "LayerStack: layer ", li, ": input and post-attention norms, both or none of the MLP's and of q/k's "
+                "(RMSNorms), no sandwich norms with a parallel residual");
     layers_.push_back(std::move(ls));
   }
   for (size_t i = 0; i < 4 * L; ++i)
@@ -175,14 +198,21 @@ at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos,
       out = out.index_select(0, keep);
       h = h.index_select(0, keep);
     }
+    // down(act(gate) * up) or down(act(up)), plus `residual` where defined
+    auto mlp = [&](const at::Tensor& in, const at::Tensor& residual) {
+      auto u = run_linear(lin[2], in);
+      if (ls.mlp_act != kGated) plain_act(u, ls.mlp_act);
+      return run_linear(lin[3], u, residual);
+    };
     if (nm[kNormPreFfw].w.defined()) {  // Gemma's sandwich: the attention's and the MLP's outputs normed too
       h = h + norm(nm[kNormPost], run_linear(lin[1], out));
       x = norm(nm[kNormPreFfw], h);
-      h = h + norm(nm[kNormPostFfw], run_linear(lin[3], run_linear(lin[2], x)));
+      h = h + norm(nm[kNormPostFfw], mlp(x, at::Tensor()));
+    } else if (ls.parallel) {  // GPT-NeoX: the MLP reads the layer's input too
+      h = run_linear(lin[1], out, mlp(norm(nm[kNormPost], h), h));  // (h + mlp(norm(h))) + o_proj(out)
     } else {
       h = run_linear(lin[1], out, h);  // h + o_proj(out)
-      x = norm(nm[kNormPost], h);
-      h = run_linear(lin[3], run_linear(lin[2], x), h);  // h + down(act(gate) * up)
+      h = mlp(norm(nm[kNormPost], h), h);  // h + the MLP's output
     }
   }
   return h;
@@ -190,12 +220,12 @@ at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos,
 
 void bind_stack(pybind11::module_& m) {
   pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<int64_t>,
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>,
+                          std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t,
-                          int64_t, double, bool>())
+                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                          std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool>())
       .def("forward", &LayerStack::forward,
            "the decoder layers over h [T, hidden] (fp32, CPU): the last layer's output rows `keep` "
            "([len(keep), hidden]), all T rows where keep is empty");

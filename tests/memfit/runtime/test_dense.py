@@ -89,6 +89,19 @@ def test_auto_packs_all_or_nothing_after_timing_both_kernels() -> None:
     assert kinds == ({OneDNNLinear, FusedSlice} if n else {nn.Linear})
 
 
+def test_auto_with_the_kernels_packs_every_fp32_linear_without_timing(monkeypatch) -> None:
+    from memfit.runtime import dense
+
+    def timed(*a, **k):
+        raise AssertionError("auto timed a Linear with memfit's kernels loaded")
+
+    monkeypatch.setattr(dense, "_faster", timed)
+    model = _model(False)
+    assert pack_linears(model, "auto", kernels.load("on")) == 2 * 7 + 1
+    assert {type(m) for m in model.modules() if isinstance(m, (nn.Linear, PanelLinear, FusedSlice))} == \
+        {PanelLinear, FusedSlice}
+
+
 @pytest.mark.parametrize("panel", [False, True])
 def test_fused_projections_with_bias_equal_the_separate_linears(panel: bool) -> None:
     torch.manual_seed(0)
@@ -111,22 +124,27 @@ def _rss_file_kib() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_packing_gives_back_the_page_cache_of_zero_copy_weights(tmp_path) -> None:
+@pytest.mark.parametrize("panel", [False, True])
+def test_packing_gives_back_the_page_cache_of_zero_copy_weights(tmp_path, panel: bool) -> None:
     from serve.loader import load
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+    vocab = 16384  # with the kernels a tied vocabulary is packed as well (PanelEmbedding reads its rows)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
     linear_kib = 4 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) * 4 // 1024  # 16.5 MiB of fp32 Linears
+    vocab_kib = vocab * 256 * 4 // 1024  # 16 MiB
     shutil.copy(Path(__file__).parents[3] / "models" / "shakespeare-llama" / "tokenizer.json",
                 tmp_path / "m")
     loaded = load(str(tmp_path / "m"))
     before = _rss_file_kib()
-    sm = SlotModel(loaded.model, 1, 32, dense_kernel="on")
+    sm = SlotModel(loaded.model, 1, 32, dense_kernel="on", cpu_kernels="on" if panel else "off")
     assert sm.dense_packed == 4 * 7
+    assert sm.tied_vocab_packed is panel
     # reordering reads every weight; their file pages are dropped again, not left counted in RSS
-    assert _rss_file_kib() - before < linear_kib // 4
+    read_kib = linear_kib + (vocab_kib if panel else 0)
+    assert _rss_file_kib() - before < read_kib // 4
 
 
 def test_int8_dynamic_quantized_linears_run_on_the_int8_panel_kernel() -> None:

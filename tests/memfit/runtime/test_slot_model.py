@@ -62,10 +62,10 @@ def test_prefill_and_decode_match_hf(kind, dense, kernels):
     # packing replaces the modules: reference first
     sm = SlotModel(model, 2, 64, dense_kernel=dense, cpu_kernels=kernels)
     assert (sm.ops is not None) == (kernels == "on")
-    # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms too; not dynamic RoPE,
-    # LayerNorms or non-gated MLPs)
+    # the C++ layer loop takes over where every layer is on the kernels (qwen3's q/k norms, GPT-2 and GPT-NeoX too;
+    # not dynamic RoPE)
     static = kind not in ("dynamic", "phi3-longrope", "phi3-partial-longrope")  # RoPE by sequence length
-    stackable = static and not kind.startswith("gpt")
+    stackable = static
     assert (sm.stack is not None) == (kernels == "on" and dense == "on" and stackable)
     assert sm.rope.static == static
     # a prefill chunk of each, then a mixed step (decode of a, rest of b's prompt), then two decodes
