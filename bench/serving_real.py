@@ -11,7 +11,8 @@ p50/p95, server RSS after load and start-to-ready time. Rounds are interleaved (
 and the median round is kept. Pairs are compared within a weight-width class (16/32-bit, 8-bit, 4-bit), as
 the targets of the issue: c16 >= 1.5x and c1 >= 1.2x the best peer's tok/s, TTFT p95 at c16 <= 0.5x the best
 peer's, c1 at >= 0.7 of the memory-bandwidth limit (weight bytes read per token / measured read bandwidth),
-RSS after load <= the best peer's. A memfit row whose CPU kernels fell back is refused; a peer that cannot be
+RSS after load <= the best peer's at the same KV bytes (memfit's --kv-cache-memory is the bytes of llama-server's
+f16 cache). A memfit row whose CPU kernels fell back is refused; a peer that cannot be
 installed or started is a row with its error. Writes bench/results/serving_real.{md,json,png}.
 """
 
@@ -132,16 +133,32 @@ def weight_bytes_memfit(model_dir: Path, extra: list[str]) -> float:
     return float(json.loads(r.stdout.strip().splitlines()[-1]))
 
 
+def llama_kv_bytes(model_dir: Path, tokens: int) -> int:
+    """Bytes of llama-server's default (f16) KV cache for ``tokens`` positions: memfit's KV budget, so that RSS
+    is compared at the same KV bytes (memfit's cache is fp32: it holds half the positions in them, enough for
+    the workload, and its paged blocks go to whichever sequence needs them)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return tokens * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2 * 2
+
+
 def servers(model_dir: Path, q4_dir: Path | None, only: set[str], threads: int, max_seqs: int, ctx: int) -> list:
     """(name, argv with "{port}", env, model name, weight bytes per token or None, memfit?) per server."""
     out = []
     if "memfit" in only:
         mf = [sys.executable, "-m", "serve", "--max-batch", str(max_seqs), "--max-seq-len", str(ctx),
+              "--kv-cache-memory", str(llama_kv_bytes(model_dir, max_seqs * ctx)),
               "--log-level", "warning", "--port", "{port}", "--threads", str(threads)]
+        from serve.loader import bf16_weights
+
+        head = "bf16" if bf16_weights("auto", "on") else "fp32"  # --dtype auto's choice on this CPU
         rows = [("memfit fp32", model_dir, ["--dtype", "fp32"]), ("memfit bf16", model_dir, ["--dtype", "bf16"]),
-                ("memfit int8 (layers; bf16 lm_head)", model_dir, ["--quantize", "int8"])]
+                (f"memfit int8 (layers; {head} lm_head)", model_dir, ["--quantize", "int8"]),
+                ("memfit int8 + int8 lm_head", model_dir, ["--quantize", "int8", "--quantize-embeddings", "int8"])]
         if q4_dir is not None:
-            rows += [("memfit 4-bit gptq (bf16 lm_head)", q4_dir, []),
+            rows += [(f"memfit 4-bit gptq ({head} lm_head)", q4_dir, []),
                      ("memfit 4-bit gptq + int8 lm_head", q4_dir, ["--quantize-embeddings", "int8"])]
         for name, d, extra in rows:
             try:
@@ -249,8 +266,10 @@ def report(data: dict) -> None:
              f"Run {data['date']} on {data['host']}. Model: `{data['model']}`. Command: `{data['command']}`. "
              f"{data['prompt_tokens']}-token prompts (held-out text), {data['new_tokens']} new tokens each "
              f"(ignore_eos, greedy, streamed). Each server alone; {data['rounds']} interleaved round(s), the "
-             f"median kept. KV: memfit and llama-server {data['max_seqs']} sequences x {data['ctx']} positions, "
-             f"vLLM 1 GiB. Memory read bandwidth {data['read_gbs']:.1f} GB/s (sum over 1 GiB).", "",
+             f"median kept. KV: llama-server {data['max_seqs']} sequences x {data['ctx']} positions (f16), memfit "
+             f"the same bytes ({data.get('kv_bytes', 0) / 2**20:.0f} MiB: --kv-cache-memory; fp32, paged, "
+             f"{data['max_seqs']} sequences at most), vLLM 1 GiB. "
+             f"Memory read bandwidth {data['read_gbs']:.1f} GB/s (sum over 1 GiB).", "",
              "| server | class | c | tok/s (rounds) | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | RSS after load "
              "(MiB) | ready (s) | c1 fraction of bandwidth limit |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["servers"]:
@@ -346,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             "host": f"{os.cpu_count()} cores ({host_isa()})", "command": command.strip(),
             "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "rounds": a.rounds, "max_seqs": max_seqs, "ctx": ctx, "read_gbs": bw, "servers": rows,
+            "kv_bytes": llama_kv_bytes(model_dir, max_seqs * ctx),
             "targets": targets(rows, bw)}
     report(data)
     print((RESULTS / "serving_real.md").read_text())
