@@ -13,6 +13,7 @@ from memfit.defaults import max_seq_len as default_max_seq_len
 from memfit.errors import UserError
 from memfit.hf import load_pretrained, load_tokenizer, nf4_config
 from memfit.modeldir import check_model_dir, read_config
+from memfit.runtime.dense import drop_file_pages, file_maps
 from memfit.runtime.embeddings import embed_scale, quant_embedding, quantize_vocab_int8
 from memfit.runtime.qlinear import quant_linear
 
@@ -86,6 +87,19 @@ def _eos_ids(model: torch.nn.Module, tok) -> set[int]:
         if m in vocab and m in special:
             ids.add(vocab[m])
     return ids
+
+
+def _drop_replaced(weights: list[torch.Tensor], model: torch.nn.Module) -> None:
+    """Give back the page-cache pages of loaded weights that quantizing replaced: read zero-copy from the
+    safetensors file, they stay resident (clean copies of it) while the file's mapping lives. On Gemma 3 270M
+    with --quantize int8 --quantize-embeddings int8 that was 1.1 GiB of the server's RSS."""
+    if not weights:
+        return
+    live = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    maps = file_maps()
+    for w in weights:
+        if w.data_ptr() not in live:
+            drop_file_pages(w.detach(), maps)
 
 
 def quantize_vocab_int4(model: torch.nn.Module) -> dict[str, int]:
@@ -181,6 +195,7 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
         model = load_pretrained(path, dtype=torch_dtype, flag="--model")
         model = model.to(torch_dtype)
     model.eval()
+    loaded_weights = list(model.parameters()) if quantize or quantize_embeddings else []
     if quantize and how != "nf4":
         if how == "compress":
             raise UserError("--quantize: the model is already quantized by compress")
@@ -193,6 +208,7 @@ def load(path: str, dtype: str = "auto", quantize: str | None = None, placement=
             raise UserError(f"--quantize-embeddings: {e}") from None
         log.info("vocabulary tables as %s: %.1f -> %.1f MiB", quantize_embeddings, sizes["before_bytes"] / 2**20,
                  sizes["after_bytes"] / 2**20)
+    _drop_replaced(loaded_weights, model)
     tok = load_tokenizer(path, flag="--model")
     # compress outputs and --quantize int8 keep their quantized layers; their fp32 lm_head (and any fp32 Linear)
     # gets bf16 weights too

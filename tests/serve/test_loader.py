@@ -86,3 +86,26 @@ def test_compress_4bit_output_serves_and_matches_its_hf_forward(model_dir, tmp_p
     with torch.no_grad():
         ref = q.model(ids[None]).logits[0, -1].float()
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def _rss_file_kib() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_quantizing_at_load_gives_back_the_page_cache_of_the_weights_it_replaced(tmp_path):
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    shutil.copy(Path(__file__).parents[2] / "models" / "shakespeare-llama" / "tokenizer.json", tmp_path / "m")
+    read_kib = (4 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024) + 16384 * 256) * 4 // 1024  # 32.5 MiB
+    before = _rss_file_kib()
+    loaded = load(str(tmp_path / "m"), quantize="int8", quantize_embeddings="int8")
+    assert type(loaded.model.lm_head).__name__ == "Int8RowsLinear"
+    # quantizing read every fp32 weight from the file mapping; their pages are dropped again
+    assert _rss_file_kib() - before < read_kib // 4
