@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.defaults import TABLE_GROUP_SIZE
 from memfit.errors import UserError
 from memfit.runtime import kernels
 from memfit.runtime.quantized import Quantized, dequantize  # noqa: F401 - the format compress writes
@@ -49,6 +50,17 @@ def resolve_group_size(name: str, in_features: int, group_size: int, fallback: b
             g = max(divisors)
             return g, msg + f"; using group size {g} for this layer"
     raise AssertionError("unreachable: 1 divides everything")
+
+
+def vocab_args(kind: str, cols: int) -> QuantArgs:
+    """--quantize-embeddings: int8 = one symmetric scale per row (serve's int8 rows, on the int8 panel kernel);
+    int4 = asymmetric groups of TABLE_GROUP_SIZE (the largest divisor where it does not divide): a vocabulary
+    table loses far more at 4 bits than a decoder Linear (memfit/defaults.py has the measurements)."""
+    if kind == "int8":
+        return QuantArgs(8, cols, True)
+    if kind != "int4":
+        raise UserError(f"--quantize-embeddings must be int8 or int4, got {kind!r}")
+    return QuantArgs(4, resolve_group_size("embeddings", cols, TABLE_GROUP_SIZE, True)[0], False)
 
 
 MSE_GRID, MSE_MAXSHRINK, MSE_NORM = 100, 0.8, 2.4  # GPTQ's defaults for its mse search

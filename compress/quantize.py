@@ -15,9 +15,9 @@ from typing import Any
 from compress import ctformat, methods, rtn
 from compress.calib import Calibration
 from compress.layerjob import LayerJob
-from compress.quant import QuantArgs, Quantized, resolve_group_size
+from compress.quant import QuantArgs, Quantized, resolve_group_size, vocab_args
 from compress.walk import LayerWalk
-from memfit.defaults import GROUP_SIZE, TABLE_GROUP_SIZE
+from memfit.defaults import GROUP_SIZE
 from memfit.errors import UserError
 
 
@@ -58,17 +58,6 @@ class QuantizeOptions:
     """"int8" / "int4": the input embedding and lm_head quantized too (RTN, untied where tied; vocab_args says
     how). The output then loads with memfit (compress.load, serve), not with transformers 5's own loader,
     which reads a quantized nn.Embedding's ``.weight`` in ``_init_weights``."""
-
-
-def vocab_args(kind: str, cols: int) -> QuantArgs:
-    """--quantize-embeddings: int8 = one symmetric scale per row (serve's int8 rows, on the int8 panel kernel);
-    int4 = asymmetric groups of TABLE_GROUP_SIZE (the largest divisor where it does not divide): a vocabulary
-    table loses far more at 4 bits than a decoder Linear (memfit/defaults.py has the measurements)."""
-    if kind == "int8":
-        return QuantArgs(8, cols, True)
-    if kind != "int4":
-        raise UserError(f"--quantize-embeddings must be int8 or int4, got {kind!r}")
-    return QuantArgs(4, resolve_group_size("embeddings", cols, TABLE_GROUP_SIZE, True)[0], False)
 
 
 def _targets(walk: LayerWalk, opt: QuantizeOptions, mse: bool) -> tuple[dict[str, QuantArgs], dict[str, str]]:

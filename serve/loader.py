@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.defaults import TABLE_GROUP_SIZE, max_positions
+from memfit.defaults import max_positions
 from memfit.defaults import max_seq_len as default_max_seq_len
 from memfit.errors import UserError
 from memfit.hf import load_pretrained, load_tokenizer, nf4_config
@@ -103,10 +103,10 @@ def _drop_replaced(weights: list[torch.Tensor], model: torch.nn.Module) -> None:
 
 
 def quantize_vocab_int4(model: torch.nn.Module) -> dict[str, int]:
-    """The lm_head as a 4-bit Linear (RTN, asymmetric groups of TABLE_GROUP_SIZE: the int4 kernels) and the input
+    """The lm_head as a 4-bit Linear (RTN, compress.quant.vocab_args' groups: the int4 kernels) and the input
     embedding as 4-bit rows (runtime.embeddings.GroupEmbedding), from the same codes when the two are tied (each
     keeps its own layout: two copies). Returns the bytes of the tables before and after."""
-    from compress.quant import QuantArgs, resolve_group_size
+    from compress.quant import vocab_args
     from compress.rtn import rtn
 
     head, emb = getattr(model, "lm_head", None), model.get_input_embeddings()
@@ -114,7 +114,7 @@ def quantize_vocab_int4(model: torch.nn.Module) -> dict[str, int]:
         raise ValueError("quantize_vocab_int4: the model has no plain nn.Linear lm_head and nn.Embedding input")
     tied = head.weight.data_ptr() == emb.weight.data_ptr()
     before = head.weight.numel() * head.weight.element_size() * (1 if tied else 2)
-    args = QuantArgs(4, resolve_group_size("lm_head", head.in_features, TABLE_GROUP_SIZE, True)[0], False)
+    args = vocab_args("int4", head.in_features)  # as `compress quantize --quantize-embeddings int4`
     q = rtn(head.weight.detach().float(), args)
     qe = q if tied else rtn(emb.weight.detach().float(), args)
     model.lm_head = quant_linear(q, None if head.bias is None else head.bias.detach().float())

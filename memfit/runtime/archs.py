@@ -15,8 +15,9 @@ families name things differently and differ in four ways:
 - **GPT-2's learned positions.** There is no RoPE (an identity table); SlotModel adds the ``wpe`` rows.
 - **GPT-NeoX's parallel residual**, h + attn(ln1(h)) + mlp(ln2(h)): SlotModel's ``parallel`` flag.
 
-LayerNorms and the non-gated MLPs run as the HF modules. Containers and norms, which nothing replaces, get plain
-attribute aliases (not registered twice); the Linears that packing replaces are registered under the new name.
+LayerNorms and the non-gated MLPs run as the HF modules on the Python loop (the C++ layer loop, fast_stack, runs
+them itself). Containers and norms, which nothing replaces, get plain attribute aliases (not registered twice);
+the Linears that packing replaces are registered under the new name.
 After ``adapt`` the HF modules' own forward is not called again. ``check`` refuses, before anything changes,
 what this cannot convert: a tensor-parallel query_key_value, offloaded GPT-2 Conv1Ds (a compress output's
 quantized GPT-2 Linears run as they are), GPT-2 cross-attention or scale_attn_by_inverse_layer_idx. Those models

@@ -268,12 +268,12 @@ def _candidates(model: nn.Module, ops=None, bf16: bool = False) -> list[tuple[nn
 
 
 @functools.cache
-def _faster(out_features: int, in_features: int, threads: int, ops=None, rounds: int = 5) -> bool:
-    """Whether the packed kernel (panel with ``ops``, else oneDNN) beats F.linear on a weight of this shape at
-    M = 1 and M = 16 (best of interleaved rounds). Cached: every SlotModel over the same shapes, thread count
-    and kernel (bench loops) gets the first answer."""
+def _faster(out_features: int, in_features: int, threads: int, rounds: int = 5) -> bool:
+    """Whether oneDNN's packed Linear beats F.linear on a weight of this shape at M = 1 and M = 16 (best of
+    interleaved rounds). Cached: every SlotModel over the same shapes and thread count (bench loops) gets the
+    first answer."""
     linear = nn.Linear(in_features, out_features, bias=False)
-    packed = _packed(linear, ops)
+    packed = _packed(linear, None)
     calls = max(1, min(8, 2**24 // linear.weight.numel()))  # a 7B model's MLP: 1 call a timing, ~0.5 s in all
     best = {"mkl": [float("inf")] * 2, "onednn": [float("inf")] * 2}
     xs = [torch.randn(m, linear.in_features) for m in (1, 16)]
@@ -338,7 +338,7 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = Fa
     # SmolLM2-135M-shaped Llama took 29.5 ms, packed 18.9 (batch 16: 77.2 vs 32.8; 2 threads, AVX-512 Xeon).
     if mode == "auto" and fp and not bf16 and ops is None:
         largest = max(fp, key=lambda c: c.in_features * c.out_features)
-        if not _faster(largest.out_features, largest.in_features, torch.get_num_threads(), ops):
+        if not _faster(largest.out_features, largest.in_features, torch.get_num_threads()):
             todo = [t for t in todo if weight_format(t[2]) != "fp"]
             if not todo:
                 return 0
