@@ -115,6 +115,26 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+PACK_BLOCK_ROWS = 4096  # rows packed per call by _pack_in_blocks (a multiple of the panels' 16)
+
+
+def _pack_in_blocks(ops, w: torch.Tensor, dtype: torch.dtype, maps: list[tuple[int, int]]) -> torch.Tensor:
+    """``ops.pack_panels(w)`` a block of rows at a time (a panel holds 16 whole rows, so the blocks' packings
+    are the whole one's slices), dropping each block's file pages once packed."""
+    first = ops.pack_panels(w[:PACK_BLOCK_ROWS].to(dtype).contiguous())
+    if w.shape[0] <= PACK_BLOCK_ROWS:
+        drop_file_pages(w, maps)
+        return first
+    out = first.new_empty((w.shape[0] // 16, *first.shape[1:]))
+    out[:first.shape[0]] = first
+    drop_file_pages(w[:PACK_BLOCK_ROWS], maps)
+    for r in range(PACK_BLOCK_ROWS, w.shape[0], PACK_BLOCK_ROWS):
+        block = w[r:r + PACK_BLOCK_ROWS]
+        out[r // 16:(r + block.shape[0]) // 16] = ops.pack_panels(block.to(dtype).contiguous())
+        drop_file_pages(block, maps)
+    return out
+
+
 class PanelLinear(nn.Module):
     """``y = x @ W^T + b`` on memfit.runtime.kernels' panel layout (``ops.pack_panels``; a non-persistent buffer). An
     output size that is not a multiple of 16 (a vocabulary) is padded with zero rows, sliced off each call.
@@ -136,14 +156,25 @@ class PanelLinear(nn.Module):
 
     FORMAT = "panel"
 
-    def __init__(self, linear: nn.Module | Weights, ops, pairs: bool = False, bf16: bool = False) -> None:
+    def __init__(self, linear: nn.Module | Weights, ops, pairs: bool = False, bf16: bool = False,
+                 drop_maps: list[tuple[int, int]] | None = None) -> None:
+        """``drop_maps`` (file_maps()): the weight is read zero-copy from a safetensors file and nothing else
+        reads it: pack it a block of rows at a time and give back each block's file pages once packed, so the
+        load never holds the whole table twice (a tied 262k-row vocabulary: 640 MiB fp32)."""
         super().__init__()
         w, b, scale = _weights(linear)
         self.out_features, self.in_features = w.shape
+        dtype = w.dtype
         if w.dtype.is_floating_point:  # bias and activations are fp32 whatever the weight's storage
-            w = w.to(torch.bfloat16 if bf16 and self.in_features % 2 == 0 else torch.float32)
+            dtype = torch.bfloat16 if bf16 and self.in_features % 2 == 0 else torch.float32
             b = None if b is None else b.float()
         self.ops, self.pairs = ops, pairs
+        if drop_maps is not None and not pairs and self.out_features % 16 == 0:
+            self.register_buffer("packed", _pack_in_blocks(ops, w, dtype, drop_maps), persistent=False)
+            self.bias = None if b is None else nn.Parameter(b.contiguous(), requires_grad=False)
+            self.register_buffer("scale", None if scale is None else scale.contiguous(), persistent=False)
+            return
+        w = w.to(dtype)
         if pairs:  # [gate; up] rows -> 16 gate rows, the same 16 up rows, ...
             n = self.out_features // 2
 
@@ -347,6 +378,7 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = Fa
     for parent, name, child in todo:
         by_parent.setdefault(id(parent), (parent, {}))[1][name] = child
     for parent, children in by_parent.values():
+        originals = list(children.values())
         for group in FUSE_GROUPS:
             mods = [children.get(n) for n in group]
             if any(m is None for m in mods) or \
@@ -364,7 +396,9 @@ def pack_linears(model: nn.Module, mode: str = "auto", ops=None, bf16: bool = Fa
                 del children[n]
         for name, child in children.items():
             setattr(parent, name, _packed(child, ops, bf16))
-    for _, _, child in todo:  # nothing else reads these weights now (candidates share no storage)
-        if weight_format(child) == "fp" and child.weight.dtype == torch.float32:
-            drop_file_pages(child.weight.detach(), maps)
+        # nothing else reads these weights now (candidates share no storage): their file pages go at once, not
+        # after the last layer, or the load holds every fp32 Linear's pages next to its packed copy
+        for child in originals:
+            if weight_format(child) == "fp" and child.weight.dtype in (torch.float32, torch.bfloat16):
+                drop_file_pages(child.weight.detach(), maps)
     return len(todo)

@@ -17,13 +17,29 @@ from torch import nn
 
 from memfit.runtime.quantized import Quantized
 
+ROWS_PER_BLOCK = 4096  # int8_rows' working set: 4096 rows (10 MiB of fp32 for a 640-wide table)
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int8 [N, K], scale fp32 [N]) with w ~= codes * scale[:, None]; a zero row gets scale 1."""
-    w = w.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    codes = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+
+def int8_rows(w: torch.Tensor, drop_maps: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [N, K], scale fp32 [N]) with w ~= codes * scale[:, None]; a zero row gets scale 1.
+
+    In blocks of rows: whole-table temporaries (|w|, w / scale, its rounding) of a 262k-row vocabulary were
+    three fp32 copies of it, 2 GiB of load-time peak for Gemma 3 270M's 640 MiB table. ``drop_maps``
+    (dense.file_maps()): ``w`` is read zero-copy from a safetensors file and replaced by the codes: each block's
+    file pages are given back once quantized."""
+    from memfit.runtime.dense import drop_file_pages
+
+    w = w.detach()
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    for i in range(0, w.shape[0], ROWS_PER_BLOCK):
+        block = w[i:i + ROWS_PER_BLOCK].float()
+        amax = block.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        codes[i:i + ROWS_PER_BLOCK] = torch.round(block / s[:, None]).clamp_(-127, 127)
+        scale[i:i + ROWS_PER_BLOCK] = s
+        if drop_maps is not None:
+            drop_file_pages(w[i:i + ROWS_PER_BLOCK], drop_maps)
     return codes, scale
 
 
@@ -108,10 +124,13 @@ def quantize_vocab_int8(model: nn.Module) -> dict[str, int]:
         raise ValueError("quantize_vocab_int8: the model has no plain nn.Linear lm_head and nn.Embedding input")
     tied = head.weight.data_ptr() == emb.weight.data_ptr()
     before = head.weight.numel() * head.weight.element_size() * (1 if tied else 2)
-    codes, scale = int8_rows(head.weight)
+    from memfit.runtime.dense import file_maps
+
+    maps = file_maps()  # the fp32 tables are replaced: their file pages go as they are quantized
+    codes, scale = int8_rows(head.weight, maps)
     model.lm_head = Int8RowsLinear(codes, scale, head.bias)
     if not tied:
-        codes_e, scale_e = int8_rows(emb.weight)
+        codes_e, scale_e = int8_rows(emb.weight, maps)
     else:
         codes_e, scale_e = codes, scale
     model.set_input_embeddings(Int8Embedding(codes_e, scale_e, embed_scale(emb)))
@@ -157,7 +176,7 @@ def pack_tied_vocab(model: nn.Module, ops, bf16: bool = False) -> bool:
 
     Why: a tied head cannot be packed like the other Linears (the embedding needs the plain layout), so it ran
     on MKL's sgemv: on Gemma 3 270M that was ~110 of a decode step's ~115 ms (torch profiler, batch 1)."""
-    from memfit.runtime.dense import PanelLinear, drop_file_pages, file_maps
+    from memfit.runtime.dense import PanelLinear, file_maps
     from memfit.runtime.linear import is_resident
 
     head, emb = getattr(model, "lm_head", None), model.get_input_embeddings()
@@ -177,10 +196,10 @@ def pack_tied_vocab(model: nn.Module, ops, bf16: bool = False) -> bool:
         return False
     if head.out_features % 16:
         return False  # padded panels would need the lookups to skip the padding: not worth it for odd sizes
-    panel = PanelLinear(head, ops, bf16=bf16)
+    # read zero-copy from the checkpoint, a float table's page-cache pages would stay in RSS (640 MiB on Gemma 3
+    # 270M): they are given back block by block as the table is packed
+    plain = type(head) is nn.Linear
+    panel = PanelLinear(head, ops, bf16=bf16, drop_maps=file_maps() if plain else None)
     model.lm_head = panel
     model.set_input_embeddings(PanelEmbedding(panel, embed_scale(emb)))
-    if type(head) is nn.Linear and head.weight.dtype == torch.float32:
-        # read zero-copy from the checkpoint, the table's page-cache pages stayed in RSS: 640 MiB on Gemma 3 270M
-        drop_file_pages(head.weight.detach(), file_maps())
     return True

@@ -220,3 +220,20 @@ def test_bf16_weights_keep_an_unpackable_tied_table_tied() -> None:
     model = _model(True).to(torch.bfloat16)  # vocabulary 300: no 16-row panels for the tied table
     SlotModel(model, 1, 32, dense_kernel="on", cpu_kernels="on", bf16_weights=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_packing_in_blocks_of_rows_equals_packing_at_once(monkeypatch, bf16: bool) -> None:
+    """PanelLinear's drop_maps path (a file-backed table packed 16-row-aligned blocks at a time, each block's
+    pages dropped) builds exactly the packing of the whole weight."""
+    from memfit.runtime import dense
+
+    ops = kernels.load("on")
+    monkeypatch.setattr(dense, "PACK_BLOCK_ROWS", 48)  # three blocks and a partial one over 160 rows
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 160, bias=False)
+    whole = PanelLinear(lin, ops, bf16=bf16)
+    blocks = PanelLinear(lin, ops, bf16=bf16, drop_maps=[])
+    assert blocks.packed.dtype == whole.packed.dtype and torch.equal(blocks.packed, whole.packed)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(blocks(x), whole(x))
