@@ -109,7 +109,8 @@ def test_each_shared_rule_is_stated_once() -> None:
 def test_umbrella_command_dispatches_with_the_stages_exit_codes(tmp_path, capsys) -> None:
     assert memfit_main(["--help"]) == 0 and "plan" in capsys.readouterr().out
     assert memfit_main([]) == 2
-    assert memfit_main(["fit"]) == 2 and "unknown command 'fit'" in capsys.readouterr().err
+    assert memfit_main(["deploy"]) == 2 and "unknown command 'deploy'" in capsys.readouterr().err
+    assert memfit_main(["fit"]) == 2 and "--for serve or --for train" in capsys.readouterr().err
     assert memfit_main(["plan", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert memfit_main(["compress", "quantize", str(tmp_path), "-o", str(tmp_path / "o")]) == 2
