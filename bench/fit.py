@@ -107,7 +107,7 @@ def run_serve(name: str, model: Path, rounds: int) -> dict:
             seen[key] = label
             running = int(args[args.index("--max-batch") + 1])
             m = serve_fit.probe(args, ["--running", str(running), "--prompt", str(WORKLOAD["prompt"]),
-                                       "--decode-steps", "16", "--ref", ref])
+                                       "--decode-steps", "64", "--ref", ref])
             if "error" not in m:
                 m["tok_s"] = serve_fit.throughput(m, running, serve_fit.Workload(**WORKLOAD))
             measured.setdefault(key, []).append(m)
@@ -220,31 +220,43 @@ def main() -> int:
     p.add_argument("--models", default="shipped,gemma")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    results: dict = {"host": f"{cpu_model()} ({host_isa()})", "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                    time.gmtime())}
-    md = [f"# memfit fit on real models\n\nhost: {results['host']}, {results['date']}; rounds: {args.rounds}\n"]
+    # results accumulate in fit.json by "model/job", so parts can be run (and rerun) separately
+    path = RESULTS / "fit.json"
+    results: dict = json.loads(path.read_text()) if path.is_file() else {}
     for name in args.models.split(","):
         model = MODELS[name]
         if not model.is_dir():
             print(f"skip {name}: {model} missing (make real-model)")
             continue
-        if args.only in (None, "serve"):
-            res = run_serve(name, model, args.rounds)
-            results[f"{name}/serve"] = res
-            md.append(serve_markdown(name, res))
-        if args.only in (None, "train"):
-            from bench.fit_train import run_train, train_markdown
+        for job in ("serve", "train"):
+            if args.only not in (None, job):
+                continue
+            if job == "serve":
+                res = run_serve(name, model, args.rounds)
+            else:
+                from bench.fit_train import run_train
 
-            res = run_train(name, model, args.rounds)
-            results[f"{name}/train"] = res
-            md.append(train_markdown(name, res))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.only is None else f"_{args.only}"
-    (RESULTS / f"fit{suffix}.json").write_text(json.dumps(results, indent=1, default=str))
-    (RESULTS / f"fit{suffix}.md").write_text("\n".join(md))
-    plot(results, RESULTS / f"fit{suffix}.png")
-    print("\n".join(md))
+                res = run_train(name, model, args.rounds)
+            res |= {"host": f"{cpu_model()} ({host_isa()})", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "rounds": args.rounds}
+            results[f"{name}/{job}"] = res
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(results, indent=1, default=str))
+            write_report(results)
     return 0
+
+
+def write_report(results: dict) -> None:
+    from bench.fit_train import train_markdown
+
+    md = ["# memfit fit on real models", "", "Written by `python bench/fit.py` (see its docstring for the method).", ""]
+    for key, res in results.items():
+        name, job = key.split("/")
+        md.append(f"host: {res['host']}, {res['date']}, {res['rounds']} round(s)\n")
+        md.append(serve_markdown(name, res) if job == "serve" else train_markdown(name, res))
+    (RESULTS / "fit.md").write_text("\n".join(md))
+    plot(results, RESULTS / "fit.png")
+    print("\n".join(md))
 
 
 if __name__ == "__main__":

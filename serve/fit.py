@@ -1,7 +1,7 @@
 """``memfit fit MODEL --memory 8GiB --for serve``: the fastest ``serve`` command line that fits a memory budget.
 
 1. Predict (serve.fit_predict): every weight format x KV dtype gets the most running sequences (up to the
-   workload's concurrency) and the largest prefill chunk whose predicted peak fits the budget.
+   workload's concurrency) and the preferred prefill chunk (fit_predict.CHUNKS) whose predicted peak fits.
 2. Verify, fastest-looking first (more sequences at once, then fewer weight bytes, then fewer KV bytes): each
    candidate runs in its own process (serve.fit_probe) with serve's own load and engine at the workload's shape
    and reports its peak RSS (loading included), prefill and decode timings and, against the unquantized
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/fit-serve", help="where the tables, the PNG and the command go")
     p.add_argument("--max-verify", type=int, default=6, help="candidates verified by a real run at most, once one "
                    "passes (more are tried while none has)")
-    p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed in each verification run")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed in each verification run")
     p.add_argument("--threads", type=int, default=None, help="serve --threads for every run")
     p.add_argument("--fresh", action="store_true", help="ignore measurements cached before")
     p.add_argument("--measurements", default=None, metavar="FILE", help="where verification runs are cached, by "
@@ -215,13 +215,13 @@ def fit(args: argparse.Namespace) -> dict:
         if c.fmt.name in low_quality:
             c.status = "skipped: its weights missed the quality bound"
             continue
-        key = " ".join(c.serve_args() + extra)
+        shape = ["--running", str(c.running), "--prompt", str(w.prompt), "--decode-steps",
+                 str(min(args.decode_steps, w.output - 1) or 1)]
+        key = " ".join(c.serve_args() + extra + shape)  # the command line and the workload's shape it ran
         if key not in cache or (ref and "kl" not in cache[key]):
             print(f"fit: verifying {c.name} (predicted peak {format_bytes(c.predicted['peak'])})", file=sys.stderr,
                   flush=True)
-            cache[key] = probe(c.serve_args() + extra,
-                               ["--running", str(c.running), "--prompt", str(w.prompt), "--decode-steps",
-                                str(min(args.decode_steps, w.output - 1) or 1)] + (["--ref", ref] if ref else []))
+            cache[key] = probe(c.serve_args() + extra, shape + (["--ref", ref] if ref else []))
             tmp = cache_path.with_suffix(".tmp")
             tmp.write_text(json.dumps(cache, indent=1))
             os.replace(tmp, cache_path)
@@ -243,8 +243,10 @@ def fit(args: argparse.Namespace) -> dict:
     for c in misses:
         c.status = "predicted over budget"
     if not passed:
-        tried = [c for c in everything if c.measured]
-        closest = tried[0] if tried else everything[0]
+        tried = [c for c in everything if c.measured and "error" not in c.measured]
+        low = [c for c in tried if c.status.startswith("below quality")]
+        closest = (min(low, key=lambda c: c.measured.get("kl", math.inf)) if low else
+                   min(tried, key=lambda c: c.measured["peak"]) if tried else everything[0])
         write_outputs(out, everything, None, budget, w)
         raise UserError(f"no candidate passed verification within --memory {format_bytes(budget)} and "
                         f"--min-quality {args.min_quality}: the closest, {closest.name}, {closest.status}")
