@@ -219,6 +219,8 @@ def main() -> int:
     p.add_argument("--only", choices=["serve", "train"], default=None)
     p.add_argument("--models", default="shipped,gemma")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--reuse-fits", action="store_true", help="train: take each budget's fit from an earlier run's "
+                   "candidates.json and only measure the grid (the fit's time is then not reported)")
     args = p.parse_args()
     # results accumulate in fit.json by "model/job", so parts can be run (and rerun) separately
     path = RESULTS / "fit.json"
@@ -236,7 +238,7 @@ def main() -> int:
             else:
                 from bench.fit_train import run_train
 
-                res = run_train(name, model, args.rounds)
+                res = run_train(name, model, args.rounds, args.reuse_fits)
             res |= {"host": f"{cpu_model()} ({host_isa()})", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "rounds": args.rounds}
             results[f"{name}/{job}"] = res

@@ -28,11 +28,11 @@ def hand_grid(global_batch: int) -> dict[str, dict]:
     micro-batch (accumulating to the same global batch), the 8-bit optimizer."""
     half, quarter = max(1, global_batch // 2), max(1, global_batch // 4)
     return {"recipe as written": {},
-            "checkpointing full": {"checkpointing": "full"},
+            "checkpointing full": {"checkpointing": "full", "activation_budget": None},
             f"micro-batch {half}": {"batch_size": half, "grad_accum": global_batch // half},
             f"micro-batch {quarter} + checkpointing full": {"batch_size": quarter,
                                                             "grad_accum": global_batch // quarter,
-                                                            "checkpointing": "full"},
+                                                            "checkpointing": "full", "activation_budget": None},
             "adamw8bit": {"optimizer": "adamw8bit"}}
 
 
@@ -47,7 +47,8 @@ def _run(recipe: Path) -> dict:
     return out
 
 
-def run_train(name: str, model: Path, rounds: int) -> dict:
+def run_train(name: str, model: Path, rounds: int, reuse_fits: bool = False) -> dict:
+    """``reuse_fits``: take each budget's fit from its candidates.json of an earlier run (its time not known)."""
     from bench.fit import _json_main
     from training import fit as train_fit
 
@@ -59,6 +60,10 @@ def run_train(name: str, model: Path, rounds: int) -> dict:
         import time
 
         t0 = time.perf_counter()
+        done = work / f"fit-{budget}" / "candidates.json"
+        if reuse_fits and done.is_file():
+            chosen[budget] = json.loads(done.read_text()) | {"fit_s": None}
+            continue
         r = _json_main(train_fit.main, [str(model), "--memory", budget, "--recipe", recipe, "--out",
                                         str(work / f"fit-{budget}"), "--verify-steps", str(VERIFY_STEPS),
                                         "--max-verify", "3", "--json", *overrides])
@@ -124,6 +129,10 @@ def _label(c: dict) -> str:
             f"{c['optimizer']}{off}")
 
 
+def _secs(s: float | None) -> str:
+    return "earlier run" if s is None else f"{s:.0f} s"
+
+
 def _accelerate_adam(model: Path) -> int:
     """accelerate estimate-memory's "Training using Adam" row: 4 x the fp32 model (weights, gradients, 2 moments)."""
     from bench.fit import accelerate_estimate
@@ -139,14 +148,14 @@ def train_markdown(name: str, res: dict) -> str:
     for r in res["rows"]:
         if r["chosen"] is None or r.get("measured_peak") is None:
             lines.append(f"| {r['budget']} | {r['chosen'] or r['error']} | | | | | | {r['best_hand']} | | | "
-                         f"{r['fit_s']:.0f} s |")
+                         f"{_secs(r['fit_s'])} |")
             continue
         hand = f"{r['best_hand']} ({r['best_hand_tok_s']:.0f})" if r["best_hand"] else "none fits"
         ratio = f"{r['ratio_vs_best_hand']:.2f}x" if r.get("ratio_vs_best_hand") else ""
         lines.append(f"| {r['budget']} | {r['chosen']} | {format_bytes(r['predicted_peak'])} | "
                      f"{format_bytes(r['measured_peak'])} | {r['prediction_error']:+.1%} | "
                      f"{'yes' if r['within_budget'] else 'NO'} | {r['tok_s']:.0f} | {hand} | {ratio} | "
-                     f"{format_bytes(r['accelerate_estimate'])} ({r['accelerate_error']:+.0%}) | {r['fit_s']:.0f} s |")
+                     f"{format_bytes(r['accelerate_estimate'])} ({r['accelerate_error']:+.0%}) | {_secs(r['fit_s'])} |")
     lines += ["", "configurations measured (medians; peak: worst round):", "", "| configuration | peak | tok/s |",
               "|---|---:|---:|"]
     for label, m in res["configs"].items():
