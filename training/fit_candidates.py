@@ -182,12 +182,14 @@ def derive(probe: Probe, cand: Candidate, cfg: TrainConfig, limit: int) -> bool:
                       optimizer_on_device=cand.optimizer_offload == "none", activations=0,
                       loss=loss_bytes(settings, b * cfg.block_size, probe.vocab, cand.precision != "fp32"),
                       recompute=0, embedding_grad=first["embedding_grad"],
-                      optimizer_temp=optimizer_temp_bytes(settings, trainable, device))
+                      optimizer_temp=optimizer_temp_bytes(settings, trainable, device),
+                      accumulating=cand.grad_accum > 1)
     chosen: list[int] = [c.index for c in costs] if cand.checkpointing == "full" else []
     mlp: list[int] = []
     plan.activations = other + sum(c.boundary_bytes if c.index in chosen else c.saved_bytes for c in costs)
     if cand.checkpointing == "auto":
-        room = limit - plan.base - plan.device_optimizer - plan.loss  # what the budget leaves activations
+        # what the budget leaves activations (and, accumulating, the gradients held beside them)
+        room = limit - plan.base - plan.device_optimizer - plan.loss - (plan.gradients if plan.accumulating else 0)
         cand.activation_budget = max(room, 0) // 2**20 * 2**20  # written as whole MiB
         floor = other + sum(min(kept for kept, _, _ in c.options()) for c in costs)
         if not floor <= cand.activation_budget < plan.activations:

@@ -147,7 +147,8 @@ def plan_checkpointing(model, cfg: TrainConfig, run_forward: Callable[[], torch.
             loss=loss_bytes(cfg, cfg.batch_size * cfg.block_size, head.shape[0], prec.dtype is not None),
             recompute=max([c.saved_bytes for c in costs if c.index in chosen]
                           + [c.mlp_saved_bytes for c in costs if c.index in mlp_chosen], default=0),
-            embedding_grad=embedding_grad_bytes(model), optimizer_temp=optimizer_temp_bytes(cfg, trainable, device))
+            embedding_grad=embedding_grad_bytes(model), optimizer_temp=optimizer_temp_bytes(cfg, trainable, device),
+            accumulating=cfg.grad_accum > 1)
         if verbose:
             print("memory plan (one micro-batch of "
                   f"{cfg.batch_size} x {cfg.block_size} tokens):\n{plan.table()}", flush=True)

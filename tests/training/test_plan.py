@@ -80,3 +80,15 @@ def test_optimizer_offload_with_an_optimizer_that_cannot_offload_exits_2(tmp_pat
             "optimizer_offload=cpu", f"output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     assert "cannot offload" in capsys.readouterr().err
+
+
+def test_accumulating_micro_batches_hold_the_gradients_beside_their_activations():
+    """grad_accum > 1: the second micro-batch's forward and backward run with the first one's gradients alive (on
+    Gemma 3 270M at 2 x 2 a plan without them was 1 GiB, the gradients, under the measured peak)."""
+    from training.plan import MemoryPlan
+
+    parts = dict(base=100, parameters=40, gradients=40, optimizer_state=80, optimizer_on_device=True,
+                 activations=300, loss=20, recompute=10)
+    one, accum = MemoryPlan(**parts), MemoryPlan(**parts, accumulating=True)
+    assert one.peak == 100 + 80 + 320 and accum.peak == 100 + 80 + 360
+    assert one.peak_first_step == 100 + 320 and accum.peak_first_step == 100 + 360
