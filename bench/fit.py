@@ -251,8 +251,8 @@ def main() -> int:
 def write_report(results: dict) -> None:
     from bench.fit_train import train_markdown
 
-    md = ["# memfit fit on real models", "", "Written by `python bench/fit.py` (see its docstring for the method). What "
-          "changed after a run, and why: [fit_history.md](fit_history.md).", ""]
+    md = ["# memfit fit on real models", "", "Written by `python bench/fit.py` (see its docstring for the method). "
+          "What changed after a run, and why: [fit_history.md](fit_history.md).", ""]
     for key, res in results.items():
         name, job = key.split("/")
         md.append(f"host: {res['host']}, {res['date']}, {res['rounds']} round(s)\n")
