@@ -36,9 +36,11 @@ def test_memfit_fit_needs_for(capsys):
     assert memfit_main(["fit", "x", "--for", "deploy"]) == 2
 
 
-def test_shapes_count_every_parameter_once(model_dir, loaded):
+def test_shapes_count_every_parameter_once(model_dir):
+    from memfit.hf import load_pretrained
+
     s = fit_predict.shapes(model_dir)
-    model = loaded.model
+    model = load_pretrained(model_dir)  # its own copy: the session's `loaded` model gets packed by other tests
     assert s.tied and s.linear + s.tables + s.other == sum(p.numel() for p in model.parameters())
     assert s.vocab == model.get_input_embeddings().weight.numel()
 
