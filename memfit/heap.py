@@ -2,7 +2,8 @@
 
 Why here: training (activations freed every step) and serving (a model converted or repacked at load, its
 transient copies freed) both leave freed memory in RSS as heap fragments until glibc is told otherwise.
-Every function is a no-op where libc is not glibc.
+Every function is a no-op where libc is not glibc. ``status_kib`` reads what the kernel counts of the process
+(VmRSS, VmHWM), which is how training's plans and serve's fit measure it.
 """
 
 from __future__ import annotations
@@ -51,3 +52,12 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 _LIBC: ctypes.CDLL | bool | None = None
+
+
+def status_kib(field: str, pid: str = "self") -> int:
+    """A field of /proc/PID/status in KiB (VmRSS: resident now, VmHWM: the peak); 0 where it has none."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0

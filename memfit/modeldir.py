@@ -86,6 +86,19 @@ def dir_bytes(path: str | Path, pattern: str | None = None) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
+def atomic_file(dest: str | Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp) then rename tmp onto dest: a reader never sees half a file. tmp sits beside dest and keeps
+    its suffix (a writer such as matplotlib's savefig picks the format from it)."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.stem}.tmp-{os.getpid()}{dest.suffix}")
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, dest)
+
+
 def atomic_dir(dest: Path, write: Callable[[Path], None]) -> None:
     """Run write(tmp) then swap tmp into dest with renames; dest is never half-written."""
     dest = Path(dest)

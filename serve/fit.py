@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.errors import UserError
-from memfit.modeldir import check_model_dir
+from memfit.modeldir import atomic_file, check_model_dir
 from memfit.sizes import format_bytes, parse_size
 from serve import fit_predict as fp
 from serve.fit_report import write_outputs
@@ -222,9 +222,7 @@ def fit(args: argparse.Namespace) -> dict:
             print(f"fit: verifying {c.name} (predicted peak {format_bytes(c.predicted['peak'])})", file=sys.stderr,
                   flush=True)
             cache[key] = probe(c.serve_args() + extra, shape + (["--ref", ref] if ref else []))
-            tmp = cache_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, cache_path)
+            atomic_file(cache_path, lambda tmp: tmp.write_text(json.dumps(cache, indent=1)))
         c.measured = cache[key]
         verified += 1
         if "error" in c.measured:

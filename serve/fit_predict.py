@@ -16,7 +16,6 @@ it does not depend on the candidate. The workspace is one prefill chunk's activa
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +206,3 @@ def predict(base: int, tokenizer: int, s: Shapes, config: dict, fmt: Format, kv_
 def read_model_config(model_dir: str) -> dict:
     config = read_config(model_dir, "MODEL")
     return config | config.get("text_config", {}) if isinstance(config.get("text_config"), dict) else config
-
-
-def dump(obj) -> str:
-    return json.dumps(obj, indent=1, default=lambda o: o.__dict__)

@@ -24,15 +24,9 @@ import sys
 import threading
 import time
 
+from memfit.heap import status_kib
+
 PREFIX = "FITPROBE "
-
-
-def status_kib(field: str, pid: str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

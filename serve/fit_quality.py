@@ -8,7 +8,6 @@ to measure the mean per-token KL divergence KL(reference || served) and top-1 ag
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from safetensors.torch import save_file
 from compress.calib import calibration_tokens, default_eval_files, expand
 from memfit.errors import UserError
 from memfit.hf import load_pretrained, load_tokenizer
+from memfit.modeldir import atomic_file
 
 
 def quality_files(paths: list[str] | None) -> list[Path]:
@@ -41,7 +41,5 @@ def make_reference(model_dir: str, files: list[Path], rows: int, length: int, pa
         logp = torch.cat([torch.log_softmax(model(tokens[i:i + 1]).logits.float(), -1).half()
                           for i in range(rows)])
     del model
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({"tokens": tokens.contiguous(), "logp": logp.contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    atomic_file(path, lambda tmp: save_file({"tokens": tokens.contiguous(), "logp": logp.contiguous()}, str(tmp)))
     return path

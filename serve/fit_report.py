@@ -5,16 +5,14 @@ is written to a temporary name and renamed, so an interrupted run never leaves a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from memfit.modeldir import atomic_file
 from memfit.sizes import format_bytes
 
 
-def _atomic_write(path: Path, data: str | bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+def _write(path: Path, text: str) -> None:
+    atomic_file(path, lambda tmp: tmp.write_text(text))
 
 
 def table(cands, budget: int) -> str:
@@ -52,19 +50,17 @@ def plot(path: Path, cands, best, budget: int) -> None:
     ax.set_title("serve fit: candidates verified")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_file(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def write_outputs(out: Path, cands, best, budget: int, workload, command: str | None = None) -> None:
     records = [{"name": c.name, "serve_args": c.serve_args(), "status": c.status, "predicted": c.predicted,
                 "measured": c.measured} for c in cands]
-    _atomic_write(out / "candidates.json", json.dumps({"budget": budget, "workload": vars(workload),
+    _write(out / "candidates.json", json.dumps({"budget": budget, "workload": vars(workload),
                                                         "chosen": best.name if best else None,
                                                         "candidates": records}, indent=1))
-    _atomic_write(out / "candidates.md", table(cands, budget))
+    _write(out / "candidates.md", table(cands, budget))
     if command:
-        _atomic_write(out / "command.txt", command + "\n")
+        _write(out / "command.txt", command + "\n")
     plot(out / "frontier.png", cands, best, budget)

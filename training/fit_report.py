@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memfit.modeldir import atomic_file
 from training.fit_candidates import Candidate
 
 HEAD = ("#", "method", "prec", "micro x accum", "checkpointing", "loss", "act offload", "optimizer", "opt offload",
@@ -47,9 +47,7 @@ def shown(cands: list[Candidate], extra: int = 8) -> list[int]:
 
 def write_text(path: Path, text: str) -> None:
     """Write via a temp file and a rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
+    atomic_file(path, lambda tmp: tmp.write_text(text))
 
 
 def write_tables(out: Path, summary: dict[str, Any], cands: list[Candidate]) -> None:
@@ -116,8 +114,6 @@ def write_png(path: Path, cands: list[Candidate], budget: int, title: str) -> st
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_file(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    tmp.replace(path)
     return None

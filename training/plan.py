@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from memfit.heap import release_free_memory
+from memfit.heap import release_free_memory, status_kib
 from training.config import TrainConfig
 from training.losses import auto_chunk_tokens
 from training.memory import mib
@@ -145,14 +145,14 @@ def settled_bytes(device: torch.device) -> int:
 def process_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return _status_kib("VmRSS") * 1024
+    return status_kib("VmRSS") * 1024
 
 
 def peak_bytes(device: torch.device) -> int:
     """The process's peak so far: VmHWM on CPU, max_memory_allocated on CUDA."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return _status_kib("VmHWM") * 1024
+    return status_kib("VmHWM") * 1024
 
 
 def reset_peak(device: torch.device) -> None:
@@ -165,11 +165,3 @@ def reset_peak(device: torch.device) -> None:
             f.write("5")  # Linux: resets VmHWM to the current RSS
     except OSError:
         pass  # not Linux or not allowed: the peak then includes loading
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
