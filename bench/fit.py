@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from compress.evaluate import cpu_model, host_isa  # noqa: E402
+from memfit.modeldir import atomic_file  # noqa: E402
 from memfit.sizes import format_bytes, parse_size  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -243,7 +244,7 @@ def main() -> int:
                     "rounds": args.rounds}
             results[f"{name}/{job}"] = res
             RESULTS.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(results, indent=1, default=str))
+            atomic_file(path, lambda tmp: tmp.write_text(json.dumps(results, indent=1, default=str)))
             write_report(results)
     return 0
 

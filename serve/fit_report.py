@@ -15,6 +15,13 @@ def _write(path: Path, text: str) -> None:
     atomic_file(path, lambda tmp: tmp.write_text(text))
 
 
+def tok_s_cell(m: dict) -> str:
+    if "tok_s" not in m:
+        return ""
+    runs = len(m.get("runs_tok_s", ()))
+    return f"{m['tok_s']:.1f}" + (f" (median of {runs})" if runs > 1 else "")
+
+
 def table(cands, budget: int) -> str:
     rows = ["| candidate | predicted peak | measured peak | error | tok/s (workload) | KL | top-1 | status |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -22,7 +29,7 @@ def table(cands, budget: int) -> str:
         m, p = c.measured, c.predicted
         peak = m.get("peak")
         cells = [c.name, format_bytes(p["peak"]), format_bytes(peak) if peak else "",
-                 f"{(p['peak'] - peak) / peak:+.1%}" if peak else "", f"{m['tok_s']:.1f}" if "tok_s" in m else "",
+                 f"{(p['peak'] - peak) / peak:+.1%}" if peak else "", tok_s_cell(m),
                  f"{m['kl']:.4f}" if "kl" in m else "", f"{m['top1']:.3f}" if "top1" in m else "", c.status]
         rows.append("| " + " | ".join(cells) + " |")
     return f"budget {format_bytes(budget)}\n\n" + "\n".join(rows) + "\n"

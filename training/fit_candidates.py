@@ -7,7 +7,8 @@ Every other candidate's MemoryPlan is then computed with the plan's own code (tr
 - base, parameters, gradients, embedding gradient: the probe's plan (base from its first point: a fresh process;
   for adamw8bit plus the bytes the probe measured importing bitsandbytes costs).
 - optimizer state and step temporaries: training.plan.optimizer_bytes / optimizer_temp_bytes over the probe's
-  list of trainable tensor sizes (exact counts for adamw, adamw8bit, optimizer_offload).
+  list of trainable tensor sizes (exact counts for adamw, adamw8bit, optimizer_offload; AdamW8bit's temporaries
+  per element as the probe measured them on this device).
 - loss transient: training.plan.loss_bytes for the micro-batch's tokens and the probed vocabulary.
 - activations: each layer's saved / checkpointed bytes and the bytes outside the layers are affine in the
   micro-batch (measured: every saved tensor has a batch dimension, lm_head's gradient under the chunked loss
@@ -69,6 +70,9 @@ class Probe:
     a floor under every candidate's peak (tokenizing a large corpus can top the training step)."""
     adamw8bit_bytes: int = 0
     """What importing bitsandbytes and stepping AdamW8bit once added to the probe process: base of adamw8bit."""
+    adamw8bit_temp: float = 0.0
+    """Bytes per element that AdamW8bit's step held beyond its state (CPU: fp32 copies of both moments and more),
+    for the largest trainable tensor: its step temporaries."""
 
     @property
     def first(self) -> dict[str, Any]:
@@ -108,7 +112,9 @@ class Candidate:
     measured_peak: int | None = None
     """Peak of the verification run's process (VmHWM on CPU, max_memory_allocated on CUDA): bytes."""
     measured_tok_s: float | None = None
-    """Tokens/s over the verification run's steps after the first."""
+    """Tokens/s over the verification run's steps after the first (median of its runs)."""
+    runs_tok_s: list[float] = field(default_factory=list)
+    """Each verification run's tok/s, in order (more than one when it was confirmed against a near tie)."""
     status: str = "not verified"
     """chosen, fits, over budget, failed, not verified or predicted over budget."""
     note: str = ""
@@ -182,7 +188,7 @@ def derive(probe: Probe, cand: Candidate, cfg: TrainConfig, limit: int) -> bool:
                       optimizer_on_device=cand.optimizer_offload == "none", activations=0,
                       loss=loss_bytes(settings, b * cfg.block_size, probe.vocab, cand.precision != "fp32"),
                       recompute=0, embedding_grad=first["embedding_grad"],
-                      optimizer_temp=optimizer_temp_bytes(settings, trainable, device),
+                      optimizer_temp=optimizer_temp_bytes(settings, trainable, device, probe.adamw8bit_temp),
                       accumulating=cand.grad_accum > 1)
     chosen: list[int] = [c.index for c in costs] if cand.checkpointing == "full" else []
     mlp: list[int] = []

@@ -111,25 +111,36 @@ def probe(recipe: str, batches: list[int], plain_cap: int, check_8bit: bool) -> 
 
 
 def _adamw8bit_usable(device: torch.device, check: bool) -> dict[str, Any]:
-    """Whether bitsandbytes' AdamW8bit imports and steps on this device, and the bytes that costs the process
+    """Whether bitsandbytes' AdamW8bit imports and steps on this device, the bytes that costs the process
     (importing bitsandbytes pulls in torch's compiler stack: ~50 MiB of RSS that the plan's base, taken without
-    it, does not hold). Run after the probe, so no point's base includes it."""
-    from training.plan import settled_bytes
+    it, does not hold) and the step's temporaries per element of the tensor it steps (the peak of a second step
+    on a 4M-element tensor over the settled process: no state is allocated then). Run after the probe, so no
+    point's base includes it."""
+    from training.plan import peak_bytes, reset_peak, settled_bytes
 
+    none = {"adamw8bit": False, "adamw8bit_bytes": 0, "adamw8bit_temp": 0.0}
     if not check:
-        return {"adamw8bit": False, "adamw8bit_bytes": 0}
+        return none
     before = settled_bytes(device)
+    n = 1 << 22
     try:
         import bitsandbytes as bnb
 
-        p = torch.nn.Parameter(torch.zeros(4096, device=device))
+        p = torch.nn.Parameter(torch.zeros(n, device=device))
         opt = bnb.optim.AdamW8bit([p])
         p.grad = torch.ones_like(p)
         opt.step()
+        imported = settled_bytes(device) - before
+        reset_peak(device)
+        opt.step()
+        temp = (peak_bytes(device) - settled_bytes(device)) / n
         del p, opt
     except Exception:  # noqa: BLE001 - any failure (missing library, no kernel for the device) means "not here"
-        return {"adamw8bit": False, "adamw8bit_bytes": 0}
-    return {"adamw8bit": True, "adamw8bit_bytes": max(settled_bytes(device) - before, 0)}
+        return none
+    # the probe's own tensors (its state, ~2 bytes per element, the 16 MiB parameter and its gradient) are not
+    # part of what importing costs a real run
+    imported -= n * (4 + 4 + 2)
+    return {"adamw8bit": True, "adamw8bit_bytes": max(imported, 0), "adamw8bit_temp": max(temp, 0.0)}
 
 
 class _Done(Exception):

@@ -23,7 +23,8 @@ def row(i: int, c: Candidate) -> tuple[str, ...]:
     status = c.status + (f" ({c.note})" if c.note else "")
     return (str(i), c.method, c.precision, f"{c.batch_size} x {c.grad_accum}", ckpt, c.loss, c.offload_activations,
             c.optimizer, c.optimizer_offload, _mib(c.predicted_peak), _mib(c.measured_peak),
-            "-" if c.measured_tok_s is None else f"{c.measured_tok_s:.0f}", status)
+            "-" if c.measured_tok_s is None else f"{c.measured_tok_s:.0f}" + (
+                f" (median of {len(c.runs_tok_s)})" if len(c.runs_tok_s) > 1 else ""), status)
 
 
 def markdown(cands: list[Candidate], only: list[int] | None = None) -> str:
@@ -55,7 +56,8 @@ def write_tables(out: Path, summary: dict[str, Any], cands: list[Candidate]) -> 
     head = [f"# memfit fit --for train: {summary['recipe']} in {summary['budget_text']}", "",
             f"Device {summary['device']}; predicted to fit: predicted peak <= {summary['limit'] / 2**20:.1f} MiB "
             f"({100 * (1 - summary['margin']):.0f}% of the budget); measured: a real run of {summary['verify_steps']} "
-            "steps (peak of the whole process; tok/s over the steps after the first).", ""]
+            "steps (peak of the whole process, the highest of its runs; tok/s over the steps after the first, the "
+            "median of its runs where near ties ran again).", ""]
     if summary.get("fallback"):
         head += [f"**{summary['fallback']}**", ""]
     if summary.get("chosen") is not None:

@@ -117,3 +117,41 @@ def test_bad_input_exits_2(args, message, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("train fit: error: ") and message in err
+
+
+def _cand(ckpt: str, batch: int, offload: str = "none"):
+    from training.fit_candidates import Candidate
+
+    return Candidate("full", "fp32", batch, 8 // batch, ckpt, 64 * 2**20 if ckpt == "auto" else None, "chunked",
+                     offload, "adamw", "none")
+
+
+def test_each_checkpointing_kind_is_verified_before_a_second_plan_of_any_kind():
+    from training.fit import verification_order
+
+    ranked = [_cand("none", 8), _cand("none", 4), _cand("none", 8, "disk"), _cand("auto", 8), _cand("none", 2),
+              _cand("full", 8)]
+    ranked[4].status = "predicted over budget"
+    order = verification_order(ranked)
+    assert order == [ranked[0], ranked[3], ranked[5], ranked[1], ranked[2]]
+
+
+def test_near_ties_run_again_and_the_median_chooses(monkeypatch, tmp_path):
+    """A (100 tok/s) and B (95) are within 10%: both run again, B's second run (130) beats A's (90) and B is
+    chosen on the median; C (50) runs once; D goes over the budget on its run."""
+    import training.fit as tf
+
+    runs = {8: [100.0, 90.0], 4: [95.0, 130.0], 2: [50.0], 1: [99.0]}
+    peaks = {8: 100, 4: 100, 2: 100, 1: 10**9}
+
+    def child(args, log):
+        batch = load_config(args[1]).batch_size
+        return {"peak": peaks[batch], "tok_s": runs[batch].pop(0)}, ""
+
+    monkeypatch.setattr(tf, "_child", child)
+    a, b, c, d = ranked = [_cand("none", 8), _cand("auto", 4), _cand("full", 2), _cand("none", 1)]
+    chosen = tf.verify(ranked, load_config(RECIPE), tmp_path, steps=2, max_verify=4, budget=1000, start=0)
+    assert chosen is b and b.status == "chosen" and b.runs_tok_s == [95.0, 130.0] and b.measured_tok_s == 112.5
+    assert a.runs_tok_s == [100.0, 90.0] and a.measured_tok_s == 95.0 and a.status == "fits"
+    assert c.runs_tok_s == [50.0] and d.status == "over budget"
+    assert all(not v for v in runs.values())  # every planned run happened, no more
