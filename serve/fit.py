@@ -1,7 +1,9 @@
 """``memfit fit MODEL --memory 8GiB --for serve``: the fastest ``serve`` command line that fits a memory budget.
 
 1. Predict (serve.fit_predict): every weight format x KV dtype gets the most running sequences (up to the
-   workload's concurrency) and the preferred prefill chunk (fit_predict.CHUNKS) whose predicted peak fits.
+   workload's concurrency) and the preferred prefill chunk (fit_predict.CHUNKS) whose predicted peak fits; so
+   does fp32 placed over RAM and disk (serve --max-memory cpu=X: the layers that do not fit in X are read from
+   the checkpoint every step), ranked after every in-RAM candidate.
 2. Verify, fastest-looking first (more sequences at once, then fewer weight bytes, then fewer KV bytes): each
    candidate runs in its own process (serve.fit_probe) with serve's own load and engine at the workload's shape
    and reports its peak RSS (loading included), prefill and decode timings and, against the unquantized
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized", nargs="*", default=[], metavar="DIR",
                    help="compress outputs of this model to consider too (e.g. compress quantize --bits 4)")
     p.add_argument("--formats", default=None, help="weight formats to consider, comma-separated (default: all of "
-                   "fp32, bf16, int8, int8+vocab8 and each --quantized DIR's name, alone and +vocab8)")
+                   "fp32, bf16, int8, int8+vocab8, each --quantized DIR's name, alone and +vocab8, and fp32+disk: "
+                   "fp32 placed over RAM and disk, the layers that do not fit read from the checkpoint every step)")
     p.add_argument("--out", default="runs/fit-serve", help="where the tables, the PNG and the command go")
     p.add_argument("--max-verify", type=int, default=6, help="candidates verified by a real run at most, once one "
                    "passes (more are tried while none has)")
@@ -135,9 +138,10 @@ def enumerate_candidates(model: str, quantized: list[str], w: Workload, budget: 
     for q in quantized:
         formats += fp.compressed_formats(q, Path(q).name, s, kernels)
     if only is not None:
-        unknown = sorted(set(only) - {f.name for f in formats})
+        unknown = sorted(set(only) - {f.name for f in formats} - {"fp32+disk"})
         if unknown:
-            raise UserError(f"--formats: unknown {', '.join(unknown)} (here: {', '.join(f.name for f in formats)})")
+            raise UserError(f"--formats: unknown {', '.join(unknown)} (here: "
+                            f"{', '.join(f.name for f in formats)}, fp32+disk)")
         formats = [f for f in formats if f.name in only]
     seq_len = w.prompt + w.output
     fits, misses = [], []
@@ -158,13 +162,32 @@ def enumerate_candidates(model: str, quantized: list[str], w: Workload, budget: 
             (fits if smallest.predicted["peak"] <= budget else misses).append(smallest)
             if not kernels:
                 break  # int8 KV runs on memfit's kernels
+    if only is None or "fp32+disk" in only:
+        fits += offloaded(model, s, config, w, budget, base)
     return fits, misses
 
 
+def offloaded(model: str, s: fp.Shapes, config: dict, w: Workload, budget: int, base: dict) -> list[fp.Candidate]:
+    """The most running sequences whose fp32 weights, placed over RAM and disk, fit (fit_predict.disk_offload):
+    ranked after every in-RAM candidate (each step reads the offloaded layers again), measured like them."""
+    seq_len = w.prompt + w.output
+    for running in sorted({w.concurrency >> i for i in range(8) if w.concurrency >> i}, reverse=True):
+        chunk = min(fp.CHUNKS[0], w.prompt)
+        placed = fp.disk_offload(model, s, config, running, chunk, seq_len, base["rss_base"], budget)
+        if placed is not None:
+            fmt, kv = placed
+            c = fp.Candidate(fmt, "auto", running, chunk, kv, seq_len)
+            c.predicted = fp.predict(base["rss_base"], base["rss_tokenizer"], s, config, fmt, kv, running, chunk,
+                                     seq_len)
+            return [c]
+    return []
+
+
 def rank_key(c: fp.Candidate) -> tuple:
-    """More sequences at once first, then fewer weight bytes streamed per decode step, then fewer KV bytes (the
-    two KV dtypes of a format side by side: which is faster depends on the context length and the kernels)."""
-    return -c.running, c.predicted["weights"], c.kv_bytes
+    """In RAM before placed over disk; then more sequences at once, fewer weight bytes streamed per decode step,
+    fewer KV bytes (the two KV dtypes of a format side by side: which is faster depends on the context length
+    and the kernels)."""
+    return c.fmt.placed, -c.running, c.predicted["weights"], c.kv_bytes
 
 
 def throughput(m: dict, running: int, w: Workload) -> float:

@@ -71,6 +71,12 @@ class Format:
     """Bytes the load holds at its peak besides base: file pages read, conversions alive at once."""
     kv_elem: int
     """KV cache element bytes with --kv-cache-dtype auto."""
+    stream: int = 0
+    """Placed over RAM and disk (--max-memory): the largest offloaded layer, read into RAM while it runs."""
+
+    @property
+    def placed(self) -> bool:
+        return "--max-memory" in self.flags
 
 
 @dataclass
@@ -95,8 +101,9 @@ class Candidate:
 
     def serve_args(self) -> list[str]:
         args = ["--model", self.fmt.model, *self.fmt.flags, "--max-batch", str(self.running),
-                "--max-seq-len", str(self.max_seq_len), "--prefill-chunk", str(self.prefill_chunk),
-                "--kv-cache-memory", str(self.kv_bytes)]
+                "--max-seq-len", str(self.max_seq_len), "--prefill-chunk", str(self.prefill_chunk)]
+        if not self.fmt.placed:  # a placed model's cache is static: --max-batch x --max-seq-len, counted in RAM
+            args += ["--kv-cache-memory", str(self.kv_bytes)]
         return args + (["--kv-cache-dtype", self.kv_dtype] if self.kv_dtype != "auto" else [])
 
 
@@ -197,10 +204,49 @@ def predict(base: int, tokenizer: int, s: Shapes, config: dict, fmt: Format, kv_
     """``base``: the process before any weight (tokenizer included); ``tokenizer``: its part, loaded after the
     weights, so not alive at the load's peak."""
     ws = workspace(s, config, running, chunk, seq_len)
-    steady = base + fmt.held + kv_bytes + ws
+    steady = base + fmt.held + kv_bytes + fmt.stream + ws
     load = base - tokenizer + fmt.load
     return {"base": base, "weights": fmt.held, "kv": kv_bytes, "workspace": ws, "steady": steady, "load": load,
             "peak": max(steady, load)}
+
+
+def disk_offload(model_dir: str, s: Shapes, config: dict, running: int, chunk: int, seq_len: int, base: int,
+                 budget: int) -> tuple[Format, int] | None:
+    """fp32 weights placed over RAM and disk by serve's own planner (serve.placement.compute_plan, as
+    ``serve --max-memory cpu=X`` runs it): X is what the budget leaves after base and the workspace (accelerate
+    keeps room in it for the layer it streams); the decoder layers that do not fit in it are read from the checkpoint's safetensors every step (no
+    copy: fp32 is read in place). (the format, its static KV cache bytes), or None when nothing would be on
+    disk (an in-RAM format does better) or not even one layer fits."""
+    import torch
+
+    from memfit.errors import UserError
+    from serve.placement import compute_plan, meta_model
+
+    model = meta_model(model_dir, torch.float32)
+    room = budget - base - workspace(s, config, running, chunk, seq_len)
+    x = room
+    for _ in range(3):  # accelerate keeps room in X for the layer it streams; if not, shrink X by the excess
+        if x <= 0:
+            return None
+        try:
+            plan = compute_plan(model, "auto", {"cpu": x}, running, seq_len, torch.float32)
+        except UserError:
+            return None
+        need = plan.resident.get("cpu", 0) + plan.working.get("cpu", 0)
+        if need <= room:
+            break
+        x -= need - room
+    else:
+        return None
+    stream = plan.working.get("cpu", 0)
+    if "disk" not in plan.device_map.values():
+        return None
+    kv = sum(m.kv_bytes for m in plan.modules)
+    held = plan.resident.get("cpu", 0) - kv
+    on_disk = sum(m.param_bytes for m in plan.modules if m.device == "disk")
+    name = f"fp32+disk({on_disk / 2**20:.0f}MiB)"
+    return Format(name, model_dir, ["--dtype", "fp32", "--max-memory", f"cpu={x}"], held, held + stream, 4,
+                  stream), kv
 
 
 def read_model_config(model_dir: str) -> dict:

@@ -73,6 +73,8 @@ class Probe:
     adamw8bit_temp: float = 0.0
     """Bytes per element that AdamW8bit's step held beyond its state (CPU: fp32 copies of both moments and more),
     for the largest trainable tensor: its step temporaries."""
+    hidden: int = 0
+    """Columns of lm_head: the width of its compute-dtype copy in the chunked loss."""
 
     @property
     def first(self) -> dict[str, Any]:
@@ -186,8 +188,10 @@ def derive(probe: Probe, cand: Candidate, cfg: TrainConfig, limit: int) -> bool:
     plan = MemoryPlan(base=base, parameters=first["parameters"], gradients=first["gradients"],
                       optimizer_state=optimizer_bytes(settings, trainable),
                       optimizer_on_device=cand.optimizer_offload == "none", activations=0,
-                      loss=loss_bytes(settings, b * cfg.block_size, probe.vocab, cand.precision != "fp32"),
+                      loss=loss_bytes(settings, b * cfg.block_size, probe.vocab, cand.precision != "fp32",
+                                      probe.hidden),
                       recompute=0, embedding_grad=first["embedding_grad"],
+                      embedding_tied=first.get("embedding_tied", False),
                       optimizer_temp=optimizer_temp_bytes(settings, trainable, device, probe.adamw8bit_temp),
                       accumulating=cand.grad_accum > 1)
     chosen: list[int] = [c.index for c in costs] if cand.checkpointing == "full" else []

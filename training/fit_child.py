@@ -106,7 +106,8 @@ def probe(recipe: str, batches: list[int], plain_cap: int, check_8bit: bool) -> 
             out.append({"loss": loss, "batch_size": batch, "plan": plan.as_dict(), **seen})
             del x, y
         trainable = [[p.numel(), str(p.dtype).removeprefix("torch.")] for p in model.parameters() if p.requires_grad]
-    return {"device": acc.device.type, "precision": prec.name, "vocab": vocab, "trainable": trainable,
+    hidden = int(model.get_output_embeddings().weight.shape[1])
+    return {"device": acc.device.type, "precision": prec.name, "vocab": vocab, "hidden": hidden, "trainable": trainable,
             "points": out, "load_peak": load_peak, **_adamw8bit_usable(acc.device, check_8bit)}
 
 

@@ -187,5 +187,10 @@ def chunked_causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor,
                             f"(max difference {float((ours - ref).abs().max()):.3g} at logit scale {scale:.3g}: "
                             "a logit scale or other post-processing?); set loss=plain")
     del out
+    if torch.is_autocast_enabled(hidden.device.type):
+        # The model's last-position logits cast lm_head's weight to the autocast dtype, and autocast keeps that
+        # copy (and, with checkpointing, each layer's) until the context exits: drop them before the loss makes
+        # its own (Gemma 3 270M: 320 MiB of lm_head alone). What backward needs holds its own reference.
+        torch.clear_autocast_cache()
     return fused_linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, softcap=softcap,
                                       chunk_tokens=chunk_tokens or auto_chunk_tokens(head.weight.shape[0]))

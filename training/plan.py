@@ -56,6 +56,10 @@ class MemoryPlan:
     accumulating: bool = False
     """grad_accum > 1: every micro-batch after the first runs its forward and backward with the accumulated
     gradients alive (Gemma 3 270M at 2 x 2: measured 1 GiB, its gradients, over a plan without this)."""
+    embedding_tied: bool = False
+    """The embedding and lm_head share the trained weight: accumulating, backward's sum of its two partial
+    gradients is a third [vocab, hidden] tensor beside the accumulated one before it is added in (Gemma 3 270M
+    at 1 x 4: measured 640 MiB, one vocabulary table, over a plan without this)."""
 
     @property
     def activation_phase(self) -> int:
@@ -63,18 +67,23 @@ class MemoryPlan:
         return self.activations + self.loss + (self.gradients if self.accumulating else 0)
 
     @property
+    def end_of_backward(self) -> int:
+        """The gradients, with a checkpointed layer's recompute or the embedding's dense gradient(s) beside them."""
+        extra = self.embedding_grad // 2 if self.accumulating and self.embedding_tied else 0
+        return self.gradients + max(self.recompute, self.embedding_grad + extra)
+
+    @property
     def device_optimizer(self) -> int:
         return self.optimizer_state if self.optimizer_on_device else 0
 
     @property
     def peak_first_step(self) -> int:
-        return self.base + max(self.activation_phase, self.gradients + max(self.recompute, self.embedding_grad),
+        return self.base + max(self.activation_phase, self.end_of_backward,
                                self.gradients + self.device_optimizer + self.optimizer_temp)
 
     @property
     def peak(self) -> int:
-        return self.base + self.device_optimizer + max(self.activation_phase,
-                                                       self.gradients + max(self.recompute, self.embedding_grad),
+        return self.base + self.device_optimizer + max(self.activation_phase, self.end_of_backward,
                                                        self.gradients + self.optimizer_temp)
 
     def as_dict(self) -> dict:
@@ -105,12 +114,13 @@ def optimizer_bytes(cfg: TrainConfig, trainable: list[torch.Tensor]) -> int:
     return state
 
 
-def embedding_grad_bytes(model: torch.nn.Module) -> int:
+def embedding_grad_bytes(model: torch.nn.Module) -> tuple[int, bool]:
+    """(MemoryPlan.embedding_grad, MemoryPlan.embedding_tied) of this model."""
     emb = model.get_input_embeddings().weight
     if not emb.requires_grad:
-        return 0
+        return 0, False
     tied = emb is model.get_output_embeddings().weight
-    return emb.numel() * emb.element_size() * (2 if tied else 1)
+    return emb.numel() * emb.element_size() * (2 if tied else 1), tied
 
 
 ADAMW8BIT_CPU_TEMP = 20.0
@@ -132,15 +142,17 @@ def optimizer_temp_bytes(cfg: TrainConfig, trainable: list[torch.Tensor], device
     return 2 * max(p.numel() * p.element_size() for p in trainable)  # per tensor: sqrt(v), then / its correction
 
 
-def loss_bytes(cfg: TrainConfig, tokens: int, vocab: int, low_precision: bool) -> int:
+def loss_bytes(cfg: TrainConfig, tokens: int, vocab: int, low_precision: bool, hidden: int = 0) -> int:
     """Transient bytes of the loss beyond what the activation probe saw (it counts log-softmax's output, and
-    the chunked loss's stored gradients of the hidden states and lm_head)."""
+    the chunked loss's stored gradients of the hidden states and lm_head). `hidden`: lm_head's input width."""
     if cfg.loss == "plain":
         # forward: the logits next to log-softmax's output; backward: the gradient of both (fp32); under
         # autocast the logits come in 2-byte form and are widened once more by `.float()`
         return tokens * vocab * (4 + 4 + (2 if low_precision else 0))
     chunk = min(tokens, cfg.loss_chunk_tokens or auto_chunk_tokens(vocab))
-    return 3 * chunk * vocab * 4  # one chunk's logits, softmax-minus-onehot, and its compute-dtype copy
+    # one chunk's logits, softmax-minus-onehot, and its compute-dtype copy; under autocast, lm_head's weight in
+    # the compute dtype for the whole loss (Gemma 3 270M: 320 MiB)
+    return 3 * chunk * vocab * 4 + (vocab * hidden * 2 if low_precision else 0)
 
 
 def settled_bytes(device: torch.device) -> int:

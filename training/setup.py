@@ -137,6 +137,7 @@ def plan_checkpointing(model, cfg: TrainConfig, run_forward: Callable[[], torch.
                 print("checkpointing: auto\n" + choice.table(), flush=True)
         trainable = [p for p in model.parameters() if p.requires_grad]
         head = model.get_output_embeddings().weight
+        embedding_grad, embedding_tied = embedding_grad_bytes(model)
         if cfg.offload_activations != "none":
             activations = 0  # spilled (disk) or moved off the device (cpu); only tensors under 1 MiB stay
         plan = MemoryPlan(
@@ -144,11 +145,11 @@ def plan_checkpointing(model, cfg: TrainConfig, run_forward: Callable[[], torch.
             gradients=sum(p.numel() * p.element_size() for p in trainable),
             optimizer_state=optimizer_bytes(cfg, trainable), optimizer_on_device=cfg.optimizer_offload == "none",
             activations=activations,
-            loss=loss_bytes(cfg, cfg.batch_size * cfg.block_size, head.shape[0], prec.dtype is not None),
+            loss=loss_bytes(cfg, cfg.batch_size * cfg.block_size, head.shape[0], prec.dtype is not None, head.shape[1]),
             recompute=max([c.saved_bytes for c in costs if c.index in chosen]
                           + [c.mlp_saved_bytes for c in costs if c.index in mlp_chosen], default=0),
-            embedding_grad=embedding_grad_bytes(model), optimizer_temp=optimizer_temp_bytes(cfg, trainable, device),
-            accumulating=cfg.grad_accum > 1)
+            embedding_grad=embedding_grad, optimizer_temp=optimizer_temp_bytes(cfg, trainable, device),
+            accumulating=cfg.grad_accum > 1, embedding_tied=embedding_tied)
         if verbose:
             print("memory plan (one micro-batch of "
                   f"{cfg.batch_size} x {cfg.block_size} tokens):\n{plan.table()}", flush=True)

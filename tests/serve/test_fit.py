@@ -139,3 +139,20 @@ def test_near_ties_run_again_and_the_median_chooses(model_dir, tmp_path, monkeyp
     chosen = next(c for c in passed if c["status"] == "chosen")
     assert "--quantize" in result["command"] or "--kv-cache-dtype" in result["command"]
     assert chosen["measured"]["tok_s"] == max(c["measured"]["tok_s"] for c in passed)
+
+
+def test_disk_offload_keeps_what_the_budget_leaves_in_ram_and_serve_runs_it(model_dir):
+    """fp32+disk: serve's planner keeps what --max-memory cpu=X allows (KV and one streamed layer included) and
+    reads the rest from the checkpoint; the command line fit would print runs in serve's own engine."""
+    s, config = fit_predict.shapes(model_dir), fit_predict.read_model_config(model_dir)
+    weights = 4 * (s.linear + s.tables + s.other)
+    ws = fit_predict.workspace(s, config, 2, 16, 24)
+    fmt, kv = fit_predict.disk_offload(model_dir, s, config, 2, 16, 24, base=0, budget=ws + 3 * weights // 4)
+    assert fmt.placed and fmt.held > 0 and fmt.stream > 0 and fmt.held + kv + fmt.stream <= 3 * weights // 4
+    assert fit_predict.disk_offload(model_dir, s, config, 2, 16, 24, base=0, budget=ws + 2 * weights) is None
+    c = fit_predict.Candidate(fmt, "auto", 2, 16, kv, 24)
+    assert "--kv-cache-memory" not in c.serve_args()
+    validate(serve_parser().parse_args(c.serve_args()))
+    m = fit.probe(c.serve_args(), ["--running", "2", "--prompt", "8", "--decode-steps", "2"])
+    assert "error" not in m, m
+    assert m["decode_step_s"] > 0 and m["kv_cache_bytes"] == kv

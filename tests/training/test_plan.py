@@ -112,3 +112,27 @@ def test_adamw8bit_on_cpu_counts_the_steps_fp32_temporaries_of_the_largest_tenso
     assert optimizer_temp_bytes(cfg, params, cuda, 12.5) == 0
     probed = _adamw8bit_usable(cpu, check=True)
     assert probed["adamw8bit"] and 8 <= probed["adamw8bit_temp"] <= 40  # fp32 moments and update: 20-22 measured
+
+
+def test_accumulating_into_a_tied_embedding_holds_its_summed_gradient_beside_the_accumulated_one():
+    """Tied embedding, grad_accum > 1: the end of backward holds the accumulated gradients, the two partial
+    gradients of the shared table and their sum (Gemma 3 270M at 1 x 4 with the plain loss: the plan without it
+    was 1 GiB under the measured peak)."""
+    from training.plan import MemoryPlan
+
+    parts = dict(base=100, parameters=40, gradients=40, optimizer_state=80, optimizer_on_device=True,
+                 activations=10, loss=5, recompute=0, embedding_grad=60, accumulating=True)
+    untied, tied = MemoryPlan(**parts), MemoryPlan(**parts, embedding_tied=True)
+    assert untied.peak == 100 + 80 + 40 + 60
+    assert tied.peak == 100 + 80 + 40 + 60 + 30
+    assert MemoryPlan(**(parts | {"accumulating": False}), embedding_tied=True).peak == 100 + 80 + 40 + 60
+
+
+def test_chunked_loss_under_autocast_counts_lm_heads_low_precision_copy():
+    from training.config import TrainConfig
+    from training.plan import loss_bytes
+
+    cfg = TrainConfig(loss="chunked", loss_chunk_tokens=16)
+    fp32 = loss_bytes(cfg, 64, 1000, False, 32)
+    assert fp32 == 3 * 16 * 1000 * 4
+    assert loss_bytes(cfg, 64, 1000, True, 32) == fp32 + 1000 * 32 * 2
