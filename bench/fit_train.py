@@ -123,7 +123,7 @@ def run_train(name: str, model: Path, rounds: int, reuse_fits: bool = False) -> 
 
 
 def _label(c: dict) -> str:
-    ck = c["checkpointing"] + (f"({c['activation_budget']})" if c.get("activation_budget") else "")
+    ck = c["checkpointing"] + (f" ({c['activation_budget'] // 2**20} MiB)" if c.get("activation_budget") else "")
     off = f" offload {c['offload_activations']}" if c["offload_activations"] != "none" else ""
     return (f"{c['method']} {c['precision']} {c['batch_size']}x{c['grad_accum']} ckpt {ck} {c['loss']} "
             f"{c['optimizer']}{off}")

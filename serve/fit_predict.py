@@ -213,10 +213,10 @@ def predict(base: int, tokenizer: int, s: Shapes, config: dict, fmt: Format, kv_
 def disk_offload(model_dir: str, s: Shapes, config: dict, running: int, chunk: int, seq_len: int, base: int,
                  budget: int) -> tuple[Format, int] | None:
     """fp32 weights placed over RAM and disk by serve's own planner (serve.placement.compute_plan, as
-    ``serve --max-memory cpu=X`` runs it): X is what the budget leaves after base and the workspace (accelerate
-    keeps room in it for the layer it streams); the decoder layers that do not fit in it are read from the checkpoint's safetensors every step (no
-    copy: fp32 is read in place). (the format, its static KV cache bytes), or None when nothing would be on
-    disk (an in-RAM format does better) or not even one layer fits."""
+    ``serve --max-memory cpu=X`` runs it): X is what the budget leaves after base and the workspace, less the
+    room the planner keeps for the layer it streams. The layers that do not fit are read from the checkpoint's
+    safetensors every step (fp32: read in place, no converted copy). Returns the format and its static KV cache
+    bytes, or None when nothing would be on disk (an in-RAM format does better) or not even one layer fits."""
     import torch
 
     from memfit.errors import UserError
