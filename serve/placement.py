@@ -80,7 +80,7 @@ class Plan:
     main_device: int | str  # where offloaded (cpu on a GPU box, or disk) layers execute
     resident: dict[str, int] = field(default_factory=dict)  # predicted bytes that stay on each device
     max_memory: dict[int | str, int] | None = None
-    working: dict[str, int] = field(default_factory=dict)  # offloaded layers materialized while a step runs
+    working: dict[str, int] = field(default_factory=dict)  # offloaded modules materialized while a step runs
 
     def summary(self) -> dict:
         """Compact, JSON-ready: devices -> module count and bytes (shown by /health and /v1/models)."""
@@ -205,6 +205,7 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
         dm = _expand(model, dm, layers)
     mods: list[ModulePlan] = []
     resident: dict[str, int] = {}
+    other = 0  # the largest offloaded module outside the layers (Gemma 3's tied vocabulary: 640 MiB in fp32)
     for k, d in dm.items():
         size = sizes.get(k, 0) if k else sizes[""]
         if d != "disk":
@@ -213,6 +214,9 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
             mods.append(ModulePlan("(all but the decoder layers)", d, size - sum(sizes[n] for n in layers)))
         elif not any(n == k or n.startswith(k + ".") for n in layers):  # not a layer or their parent
             mods.append(ModulePlan(k, d, size))
+            ex = main if d in ("cpu", "disk") and gpus else ("cpu" if d == "disk" else d)
+            if _dev_name(d) != _dev_name(ex):
+                other = max(other, size)
     offloaded = 0
     for n in layers:
         d = _owner(dm, n)
@@ -221,8 +225,10 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
         mods.append(ModulePlan(n, d, sizes[n], kv))
         if _dev_name(d) != _dev_name(ex):
             offloaded = max(offloaded, sizes[n])
-    # while running, offloaded layers are materialized on the main device: one (accelerate), two with prefetch
-    working = {_dev_name(main): offloaded * (2 if prefetch else 1)} if offloaded else {}
+    # while running, offloaded modules are materialized on the main device: one layer (accelerate), two with
+    # prefetch, or an offloaded embedding / lm_head, whichever is larger
+    need = max(offloaded * (2 if prefetch else 1), other)
+    working = {_dev_name(main): need} if need else {}
     return Plan(dm, mods, main, resident, budget, working)
 
 
@@ -235,8 +241,8 @@ def format_plan(plan: Plan) -> str:
         cap = (plan.max_memory or {}).get(int(d[5:]) if d.startswith("cuda:") else d)
         rows.append(f"  {d:<8} {b / 2**20:>10.2f} MiB" + (f"  (budget {cap / 2**20:.2f} MiB)" if cap else ""))
     for d, b in plan.working.items():
-        rows.append(f"  {d:<8} +{b / 2**20:>9.2f} MiB while a step runs (offloaded layers loaded: the current one, "
-                    f"and the next one when prefetching)")
+        rows.append(f"  {d:<8} +{b / 2**20:>9.2f} MiB while a step runs (offloaded weights loaded: the current "
+                    f"layer and, prefetching, the next; or an offloaded embedding / lm_head, if larger)")
     disk = sum(m.param_bytes for m in plan.modules if m.device == "disk")
     if disk:
         rows.append(f"  disk     {disk / 2**20:>10.2f} MiB  (read from the checkpoint's safetensors every step)")
