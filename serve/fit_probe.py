@@ -6,8 +6,8 @@ same parser, validation, ServeConfig and State.load; no HTTP), then
 1. submits ``--running`` sequences of ``--prompt`` random tokens at once, each to generate ``--decode-steps`` + 1
    tokens greedily (EOS ignored): the prefill phase (submit -> every sequence's first token) and the decode
    phase (then the last token; every step decodes ``--running`` rows) are timed. A workload that takes less
-   than MIN_TIMED_S runs again with new prompts (the shipped 5M model's: about 1 s, whose timings varied by
-   +-10% between runs on a shared host) and the phases' medians are reported;
+   than MIN_TIMED_S runs again with new prompts (the shipped 5M model's takes about 1 s; one command line's
+   timings varied by 10-20% between processes on a shared host) and the phases' medians are reported;
 2. with ``--ref FILE`` (serve.fit_quality: the unquantized model's log-probabilities on held-out text), feeds that
    text through the engine's model one token per row and step and measures the KL divergence and top-1 agreement.
 
