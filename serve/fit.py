@@ -41,11 +41,19 @@ CONFIRM_WITHIN = 0.10
 one is chosen: on a 2-core host one run's timings vary by ~10%."""
 
 
+DISK = "fp32+disk"
+"""--formats name of fp32 placed over RAM and disk (fit_predict.disk_offload)."""
+
+
 @dataclass
 class Workload:
     concurrency: int = 16
     prompt: int = 512
     output: int = 256
+
+    def running_options(self) -> list[int]:
+        """Running sequences to try, most first: the concurrency, halved down to 1."""
+        return sorted({self.concurrency >> i for i in range(8) if self.concurrency >> i}, reverse=True)
 
 
 @dataclass
@@ -138,17 +146,17 @@ def enumerate_candidates(model: str, quantized: list[str], w: Workload, budget: 
     for q in quantized:
         formats += fp.compressed_formats(q, Path(q).name, s, kernels)
     if only is not None:
-        unknown = sorted(set(only) - {f.name for f in formats} - {"fp32+disk"})
+        unknown = sorted(set(only) - {f.name for f in formats} - {DISK})
         if unknown:
             raise UserError(f"--formats: unknown {', '.join(unknown)} (here: "
-                            f"{', '.join(f.name for f in formats)}, fp32+disk)")
+                            f"{', '.join(f.name for f in formats)}, {DISK})")
         formats = [f for f in formats if f.name in only]
     seq_len = w.prompt + w.output
     fits, misses = [], []
     for fmt in formats:
         for kv_dtype in ("auto", "int8"):
             smallest = None
-            for running in sorted({w.concurrency >> i for i in range(8) if w.concurrency >> i}, reverse=True):
+            for running in w.running_options():
                 for chunk in fp.CHUNKS:
                     kv = fp.kv_plan(config, fmt, kv_dtype, running, seq_len, BLOCK)
                     c = fp.Candidate(fmt, kv_dtype, running, min(chunk, w.prompt), kv, seq_len)
@@ -162,7 +170,7 @@ def enumerate_candidates(model: str, quantized: list[str], w: Workload, budget: 
             (fits if smallest.predicted["peak"] <= budget else misses).append(smallest)
             if not kernels:
                 break  # int8 KV runs on memfit's kernels
-    if only is None or "fp32+disk" in only:
+    if only is None or DISK in only:
         fits += offloaded(model, s, config, w, budget, base)
     return fits, misses
 
@@ -170,9 +178,8 @@ def enumerate_candidates(model: str, quantized: list[str], w: Workload, budget: 
 def offloaded(model: str, s: fp.Shapes, config: dict, w: Workload, budget: int, base: dict) -> list[fp.Candidate]:
     """The most running sequences whose fp32 weights, placed over RAM and disk, fit (fit_predict.disk_offload):
     ranked after every in-RAM candidate (each step reads the offloaded layers again), measured like them."""
-    seq_len = w.prompt + w.output
-    for running in sorted({w.concurrency >> i for i in range(8) if w.concurrency >> i}, reverse=True):
-        chunk = min(fp.CHUNKS[0], w.prompt)
+    seq_len, chunk = w.prompt + w.output, min(fp.CHUNKS[0], w.prompt)
+    for running in w.running_options():
         placed = fp.disk_offload(model, s, config, running, chunk, seq_len, base["rss_base"], budget)
         if placed is not None:
             fmt, kv = placed

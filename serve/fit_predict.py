@@ -16,6 +16,7 @@ it does not depend on the candidate. The workspace is one prefill chunk's activa
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +73,8 @@ class Format:
     kv_elem: int
     """KV cache element bytes with --kv-cache-dtype auto."""
     stream: int = 0
-    """Placed over RAM and disk (--max-memory): the largest offloaded layer, read into RAM while it runs."""
+    """Placed over RAM and disk (--max-memory): the largest offloaded module (a layer, or the embedding), read into
+    RAM while it runs (serve.placement.Plan.working)."""
 
     @property
     def placed(self) -> bool:
@@ -220,9 +222,9 @@ def disk_offload(model_dir: str, s: Shapes, config: dict, running: int, chunk: i
     import torch
 
     from memfit.errors import UserError
-    from serve.placement import compute_plan, meta_model
+    from serve.placement import compute_plan
 
-    model = meta_model(model_dir, torch.float32)
+    model = _fp32_meta_model(model_dir)
     room = budget - base - workspace(s, config, running, chunk, seq_len)
     x = room
     for _ in range(3):  # accelerate keeps room in X for the layer it streams; if not, shrink X by the excess
@@ -247,6 +249,16 @@ def disk_offload(model_dir: str, s: Shapes, config: dict, running: int, chunk: i
     name = f"fp32+disk({on_disk / 2**20:.0f}MiB)"
     return Format(name, model_dir, ["--dtype", "fp32", "--max-memory", f"cpu={x}"], held, held + stream, 4,
                   stream), kv
+
+
+@functools.cache
+def _fp32_meta_model(model_dir: str):
+    """The model on the meta device, built once per directory: disk_offload tries several running counts."""
+    import torch
+
+    from serve.placement import meta_model
+
+    return meta_model(model_dir, torch.float32)
 
 
 def read_model_config(model_dir: str) -> dict:

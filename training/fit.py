@@ -247,7 +247,7 @@ def run_probe(cfg: TrainConfig, method: str, out: Path, limit: int, check_8bit: 
     probe = Probe(method, result["precision"], result["device"], result["vocab"],
                   [tuple(t) for t in result["trainable"]], result["points"], adamw8bit=result["adamw8bit"],
                   load_peak=result["load_peak"], adamw8bit_bytes=result["adamw8bit_bytes"],
-                  adamw8bit_temp=result["adamw8bit_temp"], hidden=result.get("hidden", 0))
+                  adamw8bit_temp=result["adamw8bit_temp"], hidden=result["hidden"])
     points = ", ".join(f"{p['loss']} x{p['batch_size']}" for p in probe.points)
     print(f"probe {tag}: base {fmt(probe.first['base'])}, loading peak {fmt(probe.load_peak)}, {points} "
           f"({time.perf_counter() - t0:.0f} s)",

@@ -191,7 +191,7 @@ def derive(probe: Probe, cand: Candidate, cfg: TrainConfig, limit: int) -> bool:
                       loss=loss_bytes(settings, b * cfg.block_size, probe.vocab, cand.precision != "fp32",
                                       probe.hidden),
                       recompute=0, embedding_grad=first["embedding_grad"],
-                      embedding_tied=first.get("embedding_tied", False),
+                      embedding_tied=first["embedding_tied"],
                       optimizer_temp=optimizer_temp_bytes(settings, trainable, device, probe.adamw8bit_temp),
                       accumulating=cand.grad_accum > 1)
     chosen: list[int] = [c.index for c in costs] if cand.checkpointing == "full" else []
