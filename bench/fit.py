@@ -64,7 +64,8 @@ def hand_serve_configs(name: str, model: Path) -> dict[str, list[str]]:
 
     config = fp.read_model_config(str(model))
     seq = WORKLOAD["prompt"] + WORKLOAD["output"]
-    kv = WORKLOAD["concurrency"] * -(-seq // 16) * fp.kv_bytes_per_token(config, 4) * 16
+    lay = fp.kv_layout(config, 4, "auto", 16, seq)  # the workload's blocks, as fit sizes its own (fp32 KV)
+    kv = WORKLOAD["concurrency"] * lay.seq_blocks(seq, 256) * lay.bytes_per_block
     common = ["--max-batch", str(WORKLOAD["concurrency"]), "--max-seq-len", str(seq), "--prefill-chunk", "256",
               "--kv-cache-memory", str(kv)]
     out = {label: ["--model", str(model), *flags, *common] for label, flags in HAND_SERVE.items()}

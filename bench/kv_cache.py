@@ -1,14 +1,16 @@
 """The paged KV cache against the static slot cache, prefix caching, and int8 KV (issue 21's benchmarks).
 
     python bench/kv_cache.py                  # all parts (~15-20 min on 2 cores)
-    python bench/kv_cache.py --parts int8     # one part: capacity, prefix, int8, regression
+    python bench/kv_cache.py --parts int8     # one part: capacity, capacity_gemma, prefix, int8, regression
 
 Parts, each with its baseline measured in the same run:
 
 1. capacity: a mixed workload (64 requests submitted at once, prompt lengths 32-1500 and output lengths 16-512,
    seeded) under one KV budget (256 MiB) on the bench model (the serving benchmark's random 30M Llama, fp32):
    peak concurrently running sequences and generated tok/s, paged (blocks of 16) vs static slots of
-   max_seq_len 2048 at the same bytes.
+   max_seq_len 2048 at the same bytes. capacity_gemma: the same on the real Gemma 3 270M (bf16 weights, serve's
+   default where the CPU has avx512_bf16; fp32 KV), whose 15 sliding layers (window 512) give back the blocks
+   behind their window (memfit.runtime.kv_groups).
 2. prefix: 64 requests sharing a 1024-token system prompt, each with its own 32-token question, 8 in flight
    (closed loop): TTFT p50 / p95 with prefix caching and without; outputs compared.
 3. int8: KV bytes per token (scales included) and the sequences a budget holds, int8 vs fp32; mean per-token
@@ -47,6 +49,7 @@ from compress.evaluate import host_isa  # noqa: E402
 from memfit.hf import load_pretrained, load_tokenizer  # noqa: E402
 from memfit.runtime.slot_model import Segment, SlotModel  # noqa: E402
 from serve.engine import Engine, Sequence  # noqa: E402
+from serve.kv_config import kv_bytes_per_token, kv_layout, model_kv_elem_bytes  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -62,11 +65,9 @@ def slot_model(model_dir: Path, max_batch: int, max_seq_len: int, budget: int | 
               cache_dtype=torch.int8 if int8 else None)
     if budget is None:
         return SlotModel(hf, max_batch, max_seq_len, **kw)
-    probe = SlotModel(hf, 1, block_size, **kw, num_blocks=1, block_size=block_size)  # bytes of one block
-    per_block = probe.bytes_per_block
-    del probe
-    hf = load_pretrained(str(model_dir)).eval()
-    return SlotModel(hf, max_batch, max_seq_len, **kw, num_blocks=budget // per_block, block_size=block_size)
+    lay = kv_layout(hf.config, model_kv_elem_bytes(hf, bf16), "int8" if int8 else "auto", block_size, max_seq_len)
+    return SlotModel(hf, max_batch, max_seq_len, **kw, num_blocks=budget // lay.bytes_per_block,
+                     block_size=block_size)
 
 
 def run_engine(sm: SlotModel, tok, work: list[tuple[list[int], int]], in_flight: int, prefix_caching: bool = True,
@@ -131,13 +132,17 @@ def mixed_work(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]
             for _ in range(n)]
 
 
-def part_capacity(model_dir: Path, tok, budget: int) -> dict:
+def part_capacity(model_dir: Path, tok, budget: int, bf16: bool = False) -> dict:
     work = mixed_work(64, len(tok))
     msl = 2048
-    paged = slot_model(model_dir, 64, msl, budget)
-    static_slots = max(1, budget // (paged.bytes_per_block * msl // paged.block_size))
-    static = slot_model(model_dir, static_slots, msl)
+    paged = slot_model(model_dir, 64, msl, budget, bf16=bf16)
+    # a static slot: msl positions in every layer
+    slot_bytes = kv_bytes_per_token(paged.hf.config, model_kv_elem_bytes(paged.hf, bf16)) * msl
+    static_slots = max(1, budget // slot_bytes)
+    static = slot_model(model_dir, static_slots, msl, bf16=bf16)
+    groups = paged.kv_groups
     out = {"budget_mib": budget / MIB, "static_slots": static_slots, "paged_blocks": paged.num_blocks,
+           "kv_groups": f"{len(groups)} x {groups.size} layers, windows {sorted({w or 0 for w in groups.windows})}",
            "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": sum(n for _, n in work)}
     for name, sm in (("static", static), ("paged", paged)):
         print(f"capacity: {name} ...", flush=True)
@@ -229,18 +234,27 @@ def part_regression(model_dir: Path, tok, rounds: int) -> dict:
     return out
 
 
+def _ran(part: dict) -> str:
+    """A section title's date: parts not rerun keep their numbers from an earlier run (and host)."""
+    return f" (run {part['date']})" if "date" in part else " (run 2026-12-06)"
+
+
 def write_report(data: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_cache.json").write_text(json.dumps(data, indent=1))
     lines = ["# KV cache: paged vs static slots, prefix caching, int8 KV", "",
-             f"Host: {data['host']}; torch {data['torch']}; {data['date']}. Bench model: {data['bench_model']}.",
+             f"Host of the latest run: {data['host']}; torch {data['torch']}; {data['date']}. Bench model: "
+             f"{data['bench_model']}. Each section says when it ran.",
              "Produced by `python bench/kv_cache.py`; every ratio is against a baseline run in the same process.", ""]
-    c = data.get("capacity")
-    if c:
-        lines += ["## 1. Capacity under one KV budget", "",
+    for key, title in (("capacity", "the bench model (fp32)"), ("capacity_gemma", "Gemma 3 270M (bf16 weights)")):
+        c = data.get(key)
+        if not c:
+            continue
+        lines += [f"## 1. Capacity under one KV budget: {title}{_ran(c)}", "",
                   f"{c['budget_mib']:.0f} MiB of fp32 KV; 64 requests at once, prompts 32-1500 tokens "
                   f"({c['prompt_tokens']} in all), outputs 16-512 ({c['output_tokens']}), greedy. Static: "
-                  f"{c['static_slots']} slots of 2048 positions; paged: {c['paged_blocks']} blocks of 16.", "",
+                  f"{c['static_slots']} slots of 2048 positions; paged: {c['paged_blocks']} blocks of 16 "
+                  f"(KV groups: {c.get('kv_groups', '1 x every layer')}).", "",
                   "| cache | peak running | tok/s | wall s | preemptions |", "|---|---:|---:|---:|---:|"]
         for k in ("static", "paged"):
             r = c[k]
@@ -249,7 +263,7 @@ def write_report(data: dict) -> None:
                   f"{c['tok_s_ratio']:.2f}x (target >= 2x).", ""]
     p = data.get("prefix")
     if p:
-        lines += ["## 2. Prefix caching", "",
+        lines += [f"## 2. Prefix caching{_ran(p)}", "",
                   "64 requests: one 1024-token system prompt + a 32-token question each, 16 new tokens, 8 in flight.",
                   "", "| | TTFT p50 ms | TTFT p95 ms | tok/s | prefix hits / queries (tokens) |",
                   "|---|---:|---:|---:|---:|"]
@@ -263,7 +277,7 @@ def write_report(data: dict) -> None:
     if q:
         bm, gm = q["bytes_per_token_bench_model"], q["bytes_per_token_gemma3_270m"]
         d = q["decode_c16_tok_s"]
-        lines += ["## 3. int8 KV", "",
+        lines += [f"## 3. int8 KV{_ran(q)}", "",
                   "| model | fp32 KV bytes/token | int8 KV bytes/token (with scales) | ratio | sequences that fit |",
                   "|---|---:|---:|---:|---:|",
                   f"| bench model | {bm['fp32']:.0f} | {bm['int8']:.0f} | {bm['int8'] / bm['fp32']:.3f} | "
@@ -277,9 +291,9 @@ def write_report(data: dict) -> None:
                   f"int8 KV {d['int8']:.1f} tok/s: {q['decode_ratio']:.3f}x (target >= 0.95x).", ""]
     g = data.get("regression")
     if g:
-        lines += ["## 4. No regression: paged vs static at the same bytes", "",
+        lines += [f"## 4. No regression: paged vs static at the same bytes{_ran(g)}", "",
                   "| concurrency | static tok/s | paged tok/s | paged / static |", "|---:|---:|---:|---:|"]
-        for k, r in g.items():
+        for k, r in ((k, r) for k, r in g.items() if k != "date"):
             lines.append(f"| {k[1:]} | {r['tok_s']['static']:.1f} | {r['tok_s']['paged']:.1f} | {r['ratio']:.3f} |")
         lines += ["", "Target: >= 0.97x.", ""]
     (RESULTS / "kv_cache.md").write_text("\n".join(lines))
@@ -295,16 +309,17 @@ def plot(data: dict) -> None:
     except ImportError:
         return
     bars = []
-    if "capacity" in data:
-        c = data["capacity"]
-        bars += [("capacity:\nrunning seqs", c["running_ratio"], 4.0), ("capacity:\ntok/s", c["tok_s_ratio"], 2.0)]
+    for key, name in (("capacity", "capacity"), ("capacity_gemma", "Gemma 3")):
+        if key in data:
+            c = data[key]
+            bars += [(f"{name}:\nrunning seqs", c["running_ratio"], 4.0), (f"{name}:\ntok/s", c["tok_s_ratio"], 2.0)]
     if "prefix" in data:
         bars.append(("prefix:\nTTFT p50 (lower)", data["prefix"]["ttft_p50_ratio"], 0.2))
     if "int8" in data:
         q = data["int8"]
         bars += [("int8: bytes\n(lower)", q["gemma3_bytes_ratio"], 0.3), ("int8: decode\nc16", q["decode_ratio"], 0.95)]
     if "regression" in data:
-        bars += [(f"paged/static\n{k}", r["ratio"], 0.97) for k, r in data["regression"].items()]
+        bars += [(f"paged/static\n{k}", r["ratio"], 0.97) for k, r in data["regression"].items() if k != "date"]
     if not bars:
         return
     fig, ax = plt.subplots(figsize=(1.4 * len(bars) + 2, 4))
@@ -322,18 +337,18 @@ def plot(data: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/kv_cache.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="capacity,prefix,int8,regression")
+    ap.add_argument("--parts", default="capacity,capacity_gemma,prefix,int8,regression")
     ap.add_argument("--budget-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens for int8's KL")
     ap.add_argument("--seqlen", type=int, default=512)
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
-    unknown = set(parts) - {"capacity", "prefix", "int8", "regression"}
+    unknown = set(parts) - {"capacity", "capacity_gemma", "prefix", "int8", "regression"}
     if unknown:
         print(f"bench/kv_cache.py: error: --parts: unknown {sorted(unknown)}", file=sys.stderr)
         return 2
-    if "int8" in parts and not (GEMMA / "config.json").is_file():
+    if {"int8", "capacity_gemma"} & set(parts) and not (GEMMA / "config.json").is_file():
         print(f"bench/kv_cache.py: error: no model at {GEMMA} (run `make real-model`)", file=sys.stderr)
         return 2
     torch.set_num_threads(2)
@@ -350,12 +365,16 @@ def main(argv: list[str] | None = None) -> int:
         data = {**{k: v for k, v in json.loads(old.read_text()).items() if k not in parts}, **data}
     if "capacity" in parts:
         data["capacity"] = part_capacity(model_dir, tok, a.budget_mib * MIB)
+    if "capacity_gemma" in parts:
+        data["capacity_gemma"] = part_capacity(GEMMA, load_tokenizer(str(GEMMA)), a.budget_mib * MIB, bf16=True)
     if "prefix" in parts:
         data["prefix"] = part_prefix(model_dir, tok)
     if "int8" in parts:
         data["int8"] = part_int8(model_dir, a.rounds, a.tokens, a.seqlen)
     if "regression" in parts:
         data["regression"] = part_regression(model_dir, tok, a.rounds)
+    for p in parts:
+        data[p]["date"] = data["date"]
     write_report(data)
     print((RESULTS / "kv_cache.md").read_text())
     return 0

@@ -46,7 +46,7 @@ class ServeConfig:
     quantize_embeddings: str | None = None  # "int8" / "int4": lm_head and input embedding quantized at load
     max_batch: int = 16
     max_seq_len: int | None = None
-    prefill_chunk: int = 256
+    prefill_chunk: int = kv_config.DEFAULT_PREFILL_CHUNK
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
@@ -223,7 +223,8 @@ class State:
             return {}
         elem = kv_config.model_kv_elem_bytes(loaded.model, loaded.bf16_weights)
         return kv_config.paged_cache_size(loaded.model.config, elem, cfg.kv_cache_dtype, cfg.kv_cache_memory,
-                                          cfg.block_size, cfg.max_batch, msl, next(loaded.model.parameters()).device)
+                                          cfg.block_size, cfg.max_batch, msl, cfg.prefill_chunk,
+                                          next(loaded.model.parameters()).device)
 
 
 def _placement_info(loaded: Loaded, sm: SlotModel | HFCacheModel) -> dict:
@@ -250,9 +251,7 @@ def _warmup(sm: SlotModel | HFCacheModel) -> None:
     from memfit.runtime.slot_model import Segment
 
     if getattr(sm, "paged", False):  # rows 0 and 1 on some blocks (the engine rewrites them before use)
-        k = min(-(-10 // sm.block_size), sm.block_table.shape[1])
-        for row in range(min(2, sm.max_batch)):
-            sm.block_table[row, :k] = torch.arange(row * k, (row + 1) * k) % sm.num_blocks
+        sm.assign_blocks(min(2, sm.max_batch), min(-(-10 // sm.block_size), sm.max_blocks_per_seq), wrap=True)
     sm.forward(torch.zeros(8, dtype=torch.long), [Segment(0, 0, 8)])
     other = 1 if sm.max_batch > 1 else 0
     sm.forward(torch.zeros(2, dtype=torch.long), [Segment(0, 8, 1), Segment(other, 9 * (1 - other), 1)])

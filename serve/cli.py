@@ -13,10 +13,11 @@ from memfit.defaults import DEFAULT_MODEL, default_model, max_seq_len
 from memfit.errors import UserError
 from memfit.modeldir import check_model_dir, read_config
 from serve.kv_config import (
+    DEFAULT_PREFILL_CHUNK,
     add_kv_args,
     check_kv_args,
     guess_kv_elem_bytes,
-    kv_bytes_per_token,
+    kv_layout,
     kv_torch_dtype,
     num_kv_blocks,
 )
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "its slots)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context per sequence, prompt + output (default: min(max_position_embeddings, 2048))")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="max prompt tokens prefilled per step")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"max prompt tokens prefilled per step (default {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--max-queue", type=int, default=64, help="max sequences waiting for a slot; more get 429")
     add_kv_args(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env MEMFIT_API_KEY)")
@@ -90,9 +92,9 @@ def validate(args: argparse.Namespace) -> None:
     cfg = read_config(check_model_dir(args.model, "--model"), "--model")
     msl = max_seq_len(cfg, args.max_seq_len)  # refuses < 2 and past the model's window
     if args.kv_budget is not None:  # checked again with the loaded model's exact KV dtype
-        bpb = kv_bytes_per_token(cfg, guess_kv_elem_bytes(args.dtype, args.cpu_kernels),
-                                 args.kv_cache_dtype) * args.block_size
-        num_kv_blocks(args.kv_budget, bpb, args.block_size, args.max_batch, msl)
+        lay = kv_layout(cfg, guess_kv_elem_bytes(args.dtype, args.cpu_kernels), args.kv_cache_dtype,
+                        args.block_size, msl)
+        num_kv_blocks(args.kv_budget, lay, args.max_batch, msl, args.prefill_chunk)
 
 
 def main(argv: list[str] | None = None) -> int:

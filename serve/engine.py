@@ -62,7 +62,7 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = metrics
         self.stats = EngineMetrics(metrics)
-        self.pool = BlockPool(model.num_blocks, model.block_size, prefix_caching) \
+        self.pool = BlockPool(model.num_blocks, model.block_size, prefix_caching, model.kv_groups.windows) \
             if getattr(model, "paged", False) else None
         self.scheduler = Scheduler(self.max_batch, self.max_seq_len, self.prefill_chunk, max_queue, self.eos_ids,
                                    self.pool)

@@ -158,7 +158,7 @@ def enumerate_candidates(model: str, quantized: list[str], w: Workload, budget: 
             smallest = None
             for running in w.running_options():
                 for chunk in fp.CHUNKS:
-                    kv = fp.kv_plan(config, fmt, kv_dtype, running, seq_len, BLOCK)
+                    kv = fp.kv_plan(config, fmt, kv_dtype, running, seq_len, BLOCK, min(chunk, w.prompt))
                     c = fp.Candidate(fmt, kv_dtype, running, min(chunk, w.prompt), kv, seq_len)
                     c.predicted = fp.predict(base["rss_base"], base["rss_tokenizer"], s, config, fmt, kv, running,
                                              c.prefill_chunk, seq_len)

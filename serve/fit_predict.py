@@ -24,8 +24,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from memfit.modeldir import read_config, weight_files
-from serve.kv_blocks import blocks_for
-from serve.kv_config import kv_bytes_per_token
+from serve.kv_config import kv_layout
 
 CHUNKS = (256, 128)
 """Prefill chunks, in order of preference: serve's default 256 unless memory needs less. 512 is not tried: in
@@ -182,10 +181,12 @@ def compressed_formats(out_dir: str, name: str, s: Shapes, kernels: bool) -> lis
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I64": 8, "I8": 1, "U8": 1, "I16": 2}
 
 
-def kv_plan(config: dict, fmt: Format, kv_dtype: str, running: int, seq_len: int, block_size: int) -> int:
-    """The paged cache that holds ``running`` sequences of ``seq_len`` tokens: exactly their blocks."""
-    per_block = kv_bytes_per_token(config, fmt.kv_elem, kv_dtype) * block_size
-    return running * blocks_for(seq_len, block_size) * per_block
+def kv_plan(config: dict, fmt: Format, kv_dtype: str, running: int, seq_len: int, block_size: int,
+            chunk: int) -> int:
+    """The paged cache that holds ``running`` sequences of ``seq_len`` tokens prefilled ``chunk`` at a time:
+    exactly their blocks (a sliding-window layer's only inside its window)."""
+    lay = kv_layout(config, fmt.kv_elem, kv_dtype, block_size, seq_len)
+    return running * lay.seq_blocks(seq_len, chunk) * lay.bytes_per_block
 
 
 LOGIT_COPIES = 6

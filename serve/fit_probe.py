@@ -111,8 +111,8 @@ def _quality(sm, ref_path: str) -> dict:
     import torch
     from safetensors import safe_open
 
+    from memfit.runtime.kv_groups import blocks_for
     from memfit.runtime.slot_model import Segment
-    from serve.kv_blocks import blocks_for
 
     with safe_open(ref_path, "pt") as f:
         tokens = f.get_tensor("tokens")
@@ -120,9 +120,8 @@ def _quality(sm, ref_path: str) -> dict:
         rows, length = min(rows, sm.max_batch), min(length, sm.max_seq_len)  # the candidate's own limits
         if getattr(sm, "paged", False):
             k = blocks_for(length, sm.block_size)
-            rows = min(rows, sm.num_blocks // k)
-            for r in range(rows):
-                sm.block_table[r, :k] = torch.arange(r * k, (r + 1) * k)
+            rows = min(rows, sm.num_blocks // (k * len(sm.kv_groups)))
+            sm.assign_blocks(rows, k)
         kl_sum, agree, n = 0.0, 0, 0
         for t in range(length - 1):
             logits = sm.forward(tokens[:rows, t].contiguous(), [Segment(r, t, 1) for r in range(rows)])

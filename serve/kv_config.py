@@ -1,9 +1,11 @@
 """How big the paged KV cache is: the ``--kv-cache*`` / ``--block-size`` flags, sizes like ``2GiB``, and the
 budget -> block count arithmetic that ``serve`` (at load) and ``serve plan`` (without loading) share.
 
-One block holds ``block_size`` token positions of K and V in every layer, so ``bytes_per_block = 2 x layers x
-kv_heads x head_dim x block_size x element bytes`` and a budget of B bytes is ``B // bytes_per_block`` blocks
-(``--kv-cache-dtype int8``: one byte an element plus an fp32 scale per token and KV head).
+One block holds ``block_size`` token positions of K and V in every layer of one KV group (memfit.runtime.kv_groups:
+every layer, for a model without sliding-window layers), so ``bytes_per_block = 2 x group layers x kv_heads x
+head_dim x block_size x element bytes`` and a budget of B bytes is ``B // bytes_per_block`` blocks
+(``--kv-cache-dtype int8``: one byte an element plus an fp32 scale per token and KV head). A sequence holds a
+block per group for each ``block_size`` of its positions, but a sliding group only those inside its window.
 The default budget is ``DEFAULT_KV_FRACTION`` of the memory available on the cache's device once the model is
 loaded, capped at what static slots would take (``--max-batch`` sequences of ``--max-seq-len``) and never below
 one ``--max-seq-len`` sequence. Nothing here imports torch at module level: bad flags fail fast.
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 from memfit.errors import UserError
+from memfit.runtime.kv_groups import KVGroups, config_value, group_layers, layer_windows
 from memfit.sizes import format_bytes, parse_size  # noqa: F401  (format_bytes: used by serve's reports)
-from serve.kv_blocks import blocks_for
 
 log = logging.getLogger("serve.kv")
 
@@ -25,6 +28,7 @@ DEFAULT_KV_FRACTION = 0.25  # of the available memory on the device, when --kv-c
 MAX_BLOCK_SIZE = 4096
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_SCALE_BYTES = 4  # int8 KV: the fp32 scale of one (token, KV head) row of K or V
+DEFAULT_PREFILL_CHUNK = 256  # serve's --prefill-chunk: prompt tokens per step (a sliding group holds its window + one)
 
 
 def add_kv_args(p: argparse.ArgumentParser, serving: bool = True) -> None:
@@ -65,23 +69,38 @@ def check_kv_args(args: argparse.Namespace) -> int | None:
     return budget
 
 
-def _cfg(config, key: str):
-    if isinstance(config, dict):
-        v = config.get(key)
-        if v is None and isinstance(config.get("text_config"), dict):  # multimodal configs (Gemma 3)
-            v = config["text_config"].get(key)
-        return v
-    return getattr(config, key, None)
-
-
 def kv_bytes_per_token(config, elem_bytes: int, kv_cache_dtype: str = "auto") -> int:
     """K + V bytes of one token position over all layers (``config``: config.json's dict or an HF config);
     ``kv_cache_dtype`` int8: ``elem_bytes`` is ignored, a row is head_dim bytes and its scale."""
-    heads = _cfg(config, "num_attention_heads")
-    kv = _cfg(config, "num_key_value_heads") or heads
-    head_dim = _cfg(config, "head_dim") or _cfg(config, "hidden_size") // heads
+    return int(config_value(config, "num_hidden_layers")) * _layer_bytes_per_token(config, elem_bytes, kv_cache_dtype)
+
+
+def _layer_bytes_per_token(config, elem_bytes: int, kv_cache_dtype: str) -> int:
+    heads = config_value(config, "num_attention_heads")
+    kv = config_value(config, "num_key_value_heads") or heads
+    head_dim = config_value(config, "head_dim") or config_value(config, "hidden_size") // heads
     row = head_dim + KV_SCALE_BYTES if kv_cache_dtype == "int8" else head_dim * elem_bytes
-    return 2 * _cfg(config, "num_hidden_layers") * kv * row
+    return 2 * kv * row
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The paged cache's shape for a model: its KV groups, the block size and the bytes of one block."""
+
+    groups: KVGroups
+    block_size: int
+    bytes_per_block: int
+
+    def seq_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of ``num_tokens`` positions holds at once, prefilled ``chunk`` at a time."""
+        return self.groups.blocks_held(num_tokens, self.block_size, chunk)
+
+
+def kv_layout(config, elem_bytes: int, kv_cache_dtype: str, block_size: int, max_seq_len: int) -> KVLayout:
+    """The paged cache serve makes for ``config`` (config.json's dict or the loaded model's HF config)."""
+    groups = group_layers(layer_windows(config, max_seq_len))
+    return KVLayout(groups, block_size,
+                    _layer_bytes_per_token(config, elem_bytes, kv_cache_dtype) * groups.size * block_size)
 
 
 def kv_torch_dtype(kv_cache_dtype: str):
@@ -127,41 +146,46 @@ def available_memory(device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(budget: int | None, bytes_per_block: int, block_size: int, max_batch: int, max_seq_len: int,
+def num_kv_blocks(budget: int | None, layout: KVLayout, max_batch: int, max_seq_len: int, chunk: int,
                   available: int | None = None) -> tuple[int, str]:
     """Blocks for a budget, and how the size was chosen (for the start-up line). ``budget`` None: the default
     (``available`` needed). Refuses, naming ``--kv-cache-memory``, a budget below one block or below one
-    ``--max-seq-len`` sequence."""
-    per_seq = blocks_for(max_seq_len, block_size)
+    ``--max-seq-len`` sequence (prefilled ``chunk`` tokens a step)."""
+    bpb, block_size = layout.bytes_per_block, layout.block_size
+    per_seq = layout.seq_blocks(max_seq_len, chunk)
     if budget is None:
         cap = max_batch * per_seq
-        n = max(per_seq, min(cap, int(DEFAULT_KV_FRACTION * (available or 0)) // bytes_per_block))
+        n = max(per_seq, min(cap, int(DEFAULT_KV_FRACTION * (available or 0)) // bpb))
         how = (f"default: {DEFAULT_KV_FRACTION:.0%} of {format_bytes(available or 0)} available, at most --max-batch "
                f"x --max-seq-len, at least one --max-seq-len sequence")
         return n, how
-    if budget < bytes_per_block:
+    depth = f"{layout.groups.size} layers" if len(layout.groups) > 1 else "every layer"
+    if budget < bpb:
         raise UserError(f"--kv-cache-memory {format_bytes(budget)} is smaller than one KV block ({block_size} tokens "
-                        f"in every layer: {format_bytes(bytes_per_block)}); give at least "
-                        f"{format_bytes(per_seq * bytes_per_block)} (one --max-seq-len {max_seq_len} sequence)")
-    n = budget // bytes_per_block
+                        f"in {depth}: {format_bytes(bpb)}); give at least {format_bytes(per_seq * bpb)} (one "
+                        f"--max-seq-len {max_seq_len} sequence)")
+    n = budget // bpb
     if n < per_seq:
         raise UserError(f"--kv-cache-memory {format_bytes(budget)} holds {n} blocks of {block_size} tokens, but one "
                         f"--max-seq-len {max_seq_len} sequence needs {per_seq}: give at least "
-                        f"{format_bytes(per_seq * bytes_per_block)} ({per_seq * bytes_per_block} bytes) or lower "
-                        "--max-seq-len")
+                        f"{format_bytes(per_seq * bpb)} ({per_seq * bpb} bytes) or lower --max-seq-len")
     return n, f"--kv-cache-memory {format_bytes(budget)}"
 
 
 def paged_cache_size(config, elem_bytes: int, kv_cache_dtype: str, budget: int | None, block_size: int,
-                     max_batch: int, max_seq_len: int, device) -> dict:
+                     max_batch: int, max_seq_len: int, chunk: int, device) -> dict:
     """make_runner's paged-cache arguments for a loaded model (num_blocks, block_size, and the bytes_per_block
     they were sized with); logs the size chosen. ``budget`` None: the default share of ``device``'s memory."""
-    bpb = kv_bytes_per_token(config, elem_bytes, kv_cache_dtype) * block_size
+    lay = kv_layout(config, elem_bytes, kv_cache_dtype, block_size, max_seq_len)
+    bpb = lay.bytes_per_block
     avail = available_memory(device) if budget is None else None
-    n, how = num_kv_blocks(budget, bpb, block_size, max_batch, max_seq_len, avail)
-    log.info("KV cache: %s %s on %s = %d blocks of %d tokens (%s each, %d tokens; %s)", format_bytes(n * bpb),
+    n, how = num_kv_blocks(budget, lay, max_batch, max_seq_len, chunk, avail)
+    groups = lay.groups
+    shape = (f"{len(groups)} groups of {groups.size} layers, windows {sorted({w or 0 for w in groups.windows})}"
+             if len(groups) > 1 else "one group")
+    log.info("KV cache: %s %s on %s = %d blocks of %d tokens (%s each; %s; %s)", format_bytes(n * bpb),
              "int8" if kv_cache_dtype == "int8" else f"{elem_bytes}-byte", device, n, block_size, format_bytes(bpb),
-             n * block_size, how)
+             shape, how)
     return {"num_blocks": n, "block_size": block_size, "bytes_per_block": bpb}
 
 

@@ -7,7 +7,8 @@ modules only compress.load can build, so for those the (small) model is loaded o
 
 It also sizes the paged KV cache that ``serve`` uses when it runs the model on one device (serve.kv_config):
 ``--kv-cache-memory`` (or serve's default share of the memory available now, less the model's parameters) in
-blocks of ``--block-size`` tokens, and how many sequences of ``--seq-len`` tokens fit in it at once.
+blocks of ``--block-size`` tokens, and how many sequences of ``--seq-len`` tokens fit in it at once (with
+sliding-window layers a sequence holds fewer blocks than its length: kv_config.KVLayout.seq_blocks).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ import sys
 from memfit.defaults import max_seq_len
 from memfit.errors import UserError
 from memfit.modeldir import check_model_dir, read_config
-from serve.kv_blocks import blocks_for
 from serve.kv_config import (
+    DEFAULT_PREFILL_CHUNK,
     add_kv_args,
     available_memory,
     check_kv_args,
     format_bytes,
     guess_kv_elem_bytes,
-    kv_bytes_per_token,
+    kv_layout,
     num_kv_blocks,
 )
 from serve.options import add_placement_args, check_placement, placement_from_args
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per sequence (prompt + output) for the paged-cache prediction (default: --max-seq-len)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help=f"serve's --prefill-chunk (default {DEFAULT_PREFILL_CHUNK}): a sliding-window layer holds its "
+                        "window and one chunk")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_kv_args(p, serving=False)
     add_placement_args(p)
@@ -50,19 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
 def kv_prediction(config: dict, args: argparse.Namespace, budget: int | None, msl: int, param_bytes: int) -> dict:
     """The paged KV cache serve would make on one device, and how many ``--seq-len`` sequences fit in it."""
     bs = args.block_size
-    per_token = kv_bytes_per_token(config, guess_kv_elem_bytes(args.dtype, args.cpu_kernels), args.kv_cache_dtype)
+    lay = kv_layout(config, guess_kv_elem_bytes(args.dtype, args.cpu_kernels), args.kv_cache_dtype, bs, msl)
     avail = None if budget is not None else max(0, available_memory("cpu") - param_bytes)
-    n, how = num_kv_blocks(budget, per_token * bs, bs, args.max_batch, msl, avail)
+    n, how = num_kv_blocks(budget, lay, args.max_batch, msl, args.prefill_chunk, avail)
     seq_len = args.seq_len or msl
-    fit = n // blocks_for(seq_len, bs)
-    return {"bytes": n * per_token * bs, "how": how, "block_size": bs, "blocks": n, "bytes_per_block": per_token * bs,
-            "tokens": n * bs, "seq_len": seq_len, "sequences_fit": fit, "running_at_once": min(fit, args.max_batch),
-            "static_slots_same_bytes": n * bs // msl}
+    fit = n // lay.seq_blocks(seq_len, args.prefill_chunk)
+    groups = lay.groups
+    # static slots hold --max-seq-len positions in every layer: len(groups) blocks' worth per block of positions
+    return {"bytes": n * lay.bytes_per_block, "how": how, "block_size": bs, "blocks": n,
+            "bytes_per_block": lay.bytes_per_block, "tokens": n * bs // len(groups),  # positions in every layer
+            "kv_groups": len(groups), "layers_per_group": groups.size,
+            "sliding_windows": sorted({w for w in groups.windows if w}), "seq_len": seq_len, "sequences_fit": fit,
+            "running_at_once": min(fit, args.max_batch), "static_slots_same_bytes": n * bs // (msl * len(groups))}
 
 
 def format_kv(kv: dict, max_batch: int, msl: int) -> str:
+    groups = (f"{kv['kv_groups']} KV groups of {kv['layers_per_group']} layers (sliding windows "
+              f"{kv['sliding_windows']}: their blocks behind the window are freed)" if kv["sliding_windows"] else
+              "every layer")
     return (f"paged KV cache (serve on one device): {format_bytes(kv['bytes'])} = {kv['blocks']} blocks of "
-            f"{kv['block_size']} tokens ({format_bytes(kv['bytes_per_block'])} each, {kv['tokens']} tokens; "
+            f"{kv['block_size']} tokens in {groups} ({format_bytes(kv['bytes_per_block'])} each, {kv['tokens']} "
+            f"tokens; "
             f"{kv['how']})\n  sequences of {kv['seq_len']} tokens that fit: {kv['sequences_fit']} (running at once: "
             f"{kv['running_at_once']}, --max-batch {max_batch}); static slots of --max-seq-len {msl} in the same "
             f"bytes: {kv['static_slots_same_bytes']}")
@@ -74,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(check_model_dir(args.model), "MODEL")
         if args.max_batch < 1:
             raise UserError("--max-batch must be >= 1")
+        if args.prefill_chunk < 1:
+            raise UserError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
         msl = max_seq_len(config, args.max_seq_len)
         budget = check_kv_args(args)
         if args.seq_len is not None and not 1 <= args.seq_len <= msl:

@@ -2,10 +2,12 @@
 :class:`~memfit.runtime.slot_model.Segment` per sequence (its slot, first position, length), one
 ``SlotModel.forward``, and the logits rows of the sequences that sample this step.
 
-With a paged KV cache the runner also writes the planned sequences' block lists into the model's block table
-(``SlotModel.block_table[slot, :n]``), which the forward reads. Only what changed since the last step: a block
-list only grows while its sequence runs (one new block every ``block_size`` tokens), so most decode steps
-write nothing; a row whose sequence changed (a new or resumed sequence in that slot) is written whole."""
+With a paged KV cache the runner also writes the planned sequences' block lists into the model's block tables
+(``SlotModel.block_tables[group, slot, :n]``, one per KV group), which the forward reads. Only what changed since
+the last step: block lists only grow while their sequence runs (one new block per group every ``block_size``
+tokens), so most decode steps write nothing; a row whose sequence changed (a new or resumed sequence in that
+slot) is written whole. An entry a sliding group dropped (``NULL_BLOCK``) is written as block 0, or left as it
+was: attention never reads a block behind its window."""
 
 from __future__ import annotations
 
@@ -22,24 +24,25 @@ class ModelRunner:
         self.model = model
         self.step_hook: Callable[[list[Segment]], None] | None = None  # tests: observe / fault-inject a step
         self.paged = bool(getattr(model, "paged", False))
-        # per slot: (the block list written into its row, how many entries): a sequence's list object is
+        # per slot: (the block lists written into its rows, how many entries): a sequence's list object is
         # replaced, not cleared, when it loses its blocks, so `is` tells a new list from a grown one
-        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * model.max_batch
+        self._rows: list[tuple[list[list[int]] | None, int]] = [(None, 0)] * model.max_batch
 
     def write_block_table(self, plan: StepPlan) -> None:
-        """Bring the planned sequences' rows of ``model.block_table`` up to date (their blocks only grow)."""
-        table = self.model.block_table
+        """Bring the planned sequences' rows of ``model.block_tables`` up to date (their blocks only grow)."""
+        tables = self.model.block_tables
         rows = self._rows
         for s in plan.seqs:
             blocks, slot = s.blocks, s.slot
-            n = len(blocks)
+            n = len(blocks[0])
             old, done = rows[slot]
             if old is blocks:
                 if done == n:
                     continue
             else:
                 done = 0
-            table[slot, done:n] = torch.tensor(blocks[done:n], dtype=torch.long)
+            new = [row[done:n] for row in blocks]
+            tables[:, slot, done:n] = torch.tensor(new, dtype=torch.long).clamp_(min=0)  # NULL_BLOCK -> 0
             rows[slot] = (blocks, n)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:

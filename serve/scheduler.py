@@ -30,7 +30,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from serve.kv_blocks import BlockPool, blocks_for
+from memfit.runtime.kv_groups import blocks_for
+from serve.kv_blocks import BlockPool
 from serve.sequence import Sequence
 
 
@@ -107,9 +108,9 @@ class Scheduler:
             if seq.slot is not None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
-            if seq.blocks:
-                self.pool.release(seq.blocks)
-                seq.blocks = []
+            for row in seq.blocks:
+                self.pool.release(row)
+            seq.blocks = []
             if seq in self.running:
                 self.running.remove(seq)
             return True
@@ -177,7 +178,7 @@ class Scheduler:
                 n = min(budget, s.prefill_len - s.computed)
             else:
                 n = 1
-            if s.computed + n > len(s.blocks) * bs:  # else its last block has room (most decode steps)
+            if s.computed + n > len(s.blocks[0]) * bs:  # else its last block has room (most decode steps)
                 while not self._grow(s, s.computed + n):
                     if len(running) == 1:  # alone and still short: the pool can never hold it
                         self._fail(plan, s, f"needs more than the KV cache's {pool.num_blocks} blocks of {bs} "
@@ -220,23 +221,27 @@ class Scheduler:
         chunk's token count; 0 when it failed instead (too large for the whole pool); None when it must wait."""
         pool = self.pool
         bs = pool.block_size
-        total = min(len(s.prompt_ids) + s.params.max_tokens - 1, self.max_seq_len)  # positions it will write
-        if blocks_for(max(total, len(s.tokens)), bs) > pool.num_blocks:
+        total = max(min(len(s.prompt_ids) + s.params.max_tokens - 1, self.max_seq_len), len(s.tokens))
+        held = pool.blocks_held(total, self.prefill_chunk)  # the most it holds at once (sliding groups drop)
+        if held > pool.num_blocks:
             self.waiting.popleft()
-            self._fail(plan, s, f"needs {blocks_for(max(total, len(s.tokens)), bs)} KV blocks of {bs} tokens "
-                                f"({max(total, len(s.tokens))} positions), the cache has {pool.num_blocks}")
+            self._fail(plan, s, f"needs {held} KV blocks of {bs} tokens ({total} positions), the cache has "
+                                f"{pool.num_blocks}")
             return 0
         hit = pool.match(s.tokens, s.block_hashes, count=s.num_preemptions == 0)
-        computed = len(hit) * bs
+        k = len(hit[0])
+        computed = k * bs
         n = min(budget, s.prefill_len - computed)
-        need = blocks_for(computed + n, bs) - len(hit)
-        reused_free = sum(1 for b in hit if pool.ref[b] == 0)  # taking them removes them from the free queue
-        if need + reused_free > pool.num_free:
+        need = blocks_for(computed + n, bs) - k
+        reused_free = sum(1 for row in hit for b in row if b >= 0 and pool.ref[b] == 0)  # leave the free queue
+        if need * len(hit) + reused_free > pool.num_free:
             return None
         self.waiting.popleft()
-        pool.take(hit)
-        s.blocks = hit + pool.allocate(need)
-        s.num_registered = len(hit)
+        for row in hit:
+            pool.take(row)
+        new = pool.allocate(need * len(hit))
+        s.blocks = [row + new[g * need:(g + 1) * need] for g, row in enumerate(hit)]
+        s.num_registered = k
         s.computed = computed
         if s.num_preemptions == 0:
             s.cache_hit = computed
@@ -246,20 +251,22 @@ class Scheduler:
 
     def _grow(self, s: Sequence, num_tokens: int) -> bool:
         """Give ``s`` the blocks covering its first ``num_tokens`` positions; False (nothing taken) if short."""
-        need = blocks_for(num_tokens, self.pool.block_size) - len(s.blocks)
+        need = blocks_for(num_tokens, self.pool.block_size) - len(s.blocks[0])
         if need <= 0:
             return True
-        new = self.pool.allocate(need)
+        new = self.pool.allocate(need * len(s.blocks))
         if new is None:
             return False
-        s.blocks.extend(new)
+        for g, row in enumerate(s.blocks):
+            row.extend(new[g * need:(g + 1) * need])
         return True
 
     def _preempt(self, s: Sequence) -> None:
         """Preempt by recompute: ``s`` gives back its slot and blocks and waits at the queue's front; it will
         prefill its prompt and generated tokens again (``prefill_len``) and sample its next token after that."""
         self.running.remove(s)
-        self.pool.release(s.blocks)
+        for row in s.blocks:
+            self.pool.release(row)
         s.blocks = []
         s.num_registered = 0
         self.free_slots.append(s.slot)
@@ -284,9 +291,13 @@ class Scheduler:
             s.computed += n
             if register and s.computed >= (s.num_registered + 1) * pool.block_size and s.blocks:
                 # newly full blocks, generated tokens included
-                full = min(s.computed // pool.block_size, len(s.blocks))
-                pool.register(s.blocks, pool.extend_hashes(s.tokens, s.block_hashes, full), s.num_registered, full)
+                full = min(s.computed // pool.block_size, len(s.blocks[0]))
+                hashes = pool.extend_hashes(s.tokens, s.block_hashes, full)
+                for g, row in enumerate(s.blocks):
+                    pool.register(row, hashes, s.num_registered, full, g)
                 s.num_registered = full
+            if pool is not None and pool.sliding and s.blocks:  # blocks behind a sliding window go back
+                pool.drop_behind(s.blocks, s.computed)
             if tok is None or s.finished:
                 continue
             s.out_ids.append(tok)

@@ -53,9 +53,10 @@ class Sequence:
         # tokens to compute before decoding: the prompt, or after a preemption the prompt + generated tokens
         # (recomputed, the last chunk samples the next new token: nothing already streamed is produced again)
         self.prefill_len = len(self.prompt_ids)
-        # paged KV cache (serve.kv_blocks): the blocks holding positions 0.., in order; the chain hashes of its
-        # full blocks (kept across preemptions: its tokens only grow); how many of its blocks are registered
-        self.blocks: list[int] = []
+        # paged KV cache (serve.kv_blocks): per KV group, the blocks holding positions 0.., in order (NULL_BLOCK
+        # where a sliding group dropped them; [] while it holds none); the chain hashes of its full blocks (kept
+        # across preemptions: its tokens only grow); how many of its blocks are registered
+        self.blocks: list[list[int]] = []
         self.block_hashes: list[bytes] = []
         self.num_registered = 0
         self.num_preemptions = 0

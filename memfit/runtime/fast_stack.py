@@ -111,6 +111,6 @@ def build(sm) -> object | None:
     return ops.LayerStack(cols["norms"], cols["bias"], cols["eps"], cols["kinds"], cols["a"], cols["b"], cols["c"],
                           cols["groups"], cols["blocks"], sm.k_cache, sm.v_cache,
                           [NONE if s is None else s for s in sm.k_scale],
-                          [NONE if s is None else s for s in sm.v_scale], ropes, windows, cols["acts"],
+                          [NONE if s is None else s for s in sm.v_scale], ropes, windows, sm.layer_group, cols["acts"],
                           [int(p) for p in sm.parallel], sm.num_heads, sm.num_kv,
                           sm.head_dim, float(sm.scale), sm.bf16_dot)

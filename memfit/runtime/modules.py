@@ -1,6 +1,6 @@
 """What SlotModel needs to know about an HF module before calling it: how many tensor-parallel ranks share it,
 on which device it computes, whether its ``forward`` can be called without ``nn.Module.__call__``, its norm's
-weight, its sliding window; and two rewrites (Phi-3's fused projections split, bf16 leftovers widened)."""
+weight; and two rewrites (Phi-3's fused projections split, bf16 leftovers widened)."""
 
 from __future__ import annotations
 
@@ -132,12 +132,3 @@ def float_rest(model: torch.nn.Module) -> None:
                 setattr(m, name, done[t.data_ptr()])
             else:
                 m._buffers[name] = done[t.data_ptr()]
-
-
-def sliding_window(layer: torch.nn.Module, cfg, max_seq_len: int) -> int | None:
-    """The layer's sliding window (HF sets ``sliding_window`` on the attention module of sliding layers; Mistral
-    only in its config), or None where it never limits a sequence of ``max_seq_len`` positions."""
-    attn = layer.self_attn
-    w = getattr(attn, "sliding_window", None) if hasattr(attn, "sliding_window") else \
-        (getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None)
-    return int(w) if w and int(w) < max_seq_len else None

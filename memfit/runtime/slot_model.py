@@ -3,8 +3,9 @@ GPT-NeoX renamed to Llama's layout by archs.py) on a paged KV cache.
 
 One call runs any mix of decode tokens and prefill chunks of different sequences, packed into one [T, hidden]
 matrix so every Linear runs once per layer. Each layer's cache is [num_blocks, kv_heads, block_size, head_dim];
-``block_table[slot]`` lists the blocks of the sequence in that slot (serve's scheduler fills it); without
-``block_size`` a slot owns one block of ``max_seq_len`` positions (the static cache). Only the HF *modules* are
+``block_tables[group, slot]`` lists the blocks of the sequence in that slot for the layers of one KV group (serve's
+scheduler fills it; kv_cache.py); without ``block_size`` a slot owns one block of ``max_seq_len`` positions (the
+static cache). Only the HF *modules* are
 called, so compress's quantized Linears work unchanged; RoPE is the model's own rotary_emb (rope.py), attention
 attention.py. Where every layer runs on memfit's CPU kernels the layers are one C++ call (fast_stack); this
 Python loop is its reference and runs everything else.
@@ -26,13 +27,14 @@ from memfit.runtime.embeddings import pack_tied_vocab
 from memfit.runtime.fast_stack import build
 from memfit.runtime.fuse import fuse
 from memfit.runtime.int4 import int4_on_kernels
+from memfit.runtime.kv_cache import assign_blocks, bytes_per_device, make_kv_cache
+from memfit.runtime.kv_groups import layer_windows
 from memfit.runtime.linear import activation
 from memfit.runtime.modules import (
     exec_device,
     float_rest,
     plain_forward,
     rms_norm_weight,
-    sliding_window,
     split_fused_projections,
     tp_shards,
 )
@@ -136,16 +138,15 @@ class SlotModel:
         if self.block_size < 1 or self.num_blocks < 1:
             raise UserError(f"KV cache: block_size ({self.block_size}) and num_blocks ({self.num_blocks}) must be >= 1")
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
-        self.block_table = torch.zeros(max_batch, self.max_blocks_per_seq, dtype=torch.long)
-        if not self.paged:
-            self.block_table[:, 0] = torch.arange(max_batch)
-        shape = (self.num_blocks, self.num_kv, self.block_size, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
-        self.v_cache = [torch.zeros(shape, dtype=cdt, device=d) for d in self.layer_devices]
-        # int8 KV (cache_dtype=torch.int8): a scale per (block, KV head, row), attention.quantize_rows says how
-        self.kv_int8 = cdt == torch.int8
-        self.k_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
-        self.v_scale = [torch.zeros(shape[:3], device=d) if self.kv_int8 else None for d in self.layer_devices]
+        self.windows = layer_windows(cfg, max_seq_len)
+        # a paged cache on one device groups the layers by window (kv_groups.py): sliding groups drop the blocks
+        # behind their window; otherwise one group of every layer
+        kv = make_kv_cache(self.layer_devices, self.windows, self.paged, self.num_blocks, self.block_size, max_batch,
+                           max_seq_len, self.num_kv, self.head_dim, cdt)
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale = kv.k, kv.v, kv.k_scale, kv.v_scale
+        self.kv_groups, self.layer_group, self.block_tables = kv.groups, kv.layer_group, kv.tables
+        self.block_table = self.block_tables[0]  # the static cache's (and a one-group cache's) table
+        self.kv_int8 = cdt == torch.int8  # int8 KV: attention.quantize_rows says how
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
 
         # q/k/v and gate/up as one call each; a checkpoint's own fused projection (Phi-3's, where it was not split:
@@ -177,7 +178,6 @@ class SlotModel:
         self.prefetch = LayerPrefetcher(self.layers, enabled=prefetch)
         self.rope = Rope(self.inner.rotary_emb, list(getattr(cfg, "layer_types", None) or [None] * len(self.layers)),
                          max_seq_len, self.head_dim)
-        self.windows = [sliding_window(ly, cfg, max_seq_len) for ly in self.layers]
         # every RMSNorm as (weight, eps) for one fused op (Gemma's (1 + w) folded in); other norms run as modules
         self._norms = {id(m): spec for m in hf_model.modules() if (spec := rms_norm_weight(m)) is not None}
         if self.kv_int8:  # int8 keys: outlier channels moved into the queries (attention.smooth_key_norms)
@@ -216,15 +216,11 @@ class SlotModel:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers, int8's scales included."""
+        """K and V bytes (int8's scales too) of one block in one KV group's layers (all of them, unless sliding)."""
         return sum(self.cache_bytes_per_device().values()) // self.num_blocks
 
     def cache_bytes_per_device(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for k, s in zip(self.k_cache, self.k_scale, strict=True):
-            n = k.numel() * k.element_size() + (s.numel() * s.element_size() if s is not None else 0)
-            out[str(k.device)] = out.get(str(k.device), 0) + 2 * n
-        return out
+        return bytes_per_device(self.k_cache, self.k_scale)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -279,7 +275,7 @@ class SlotModel:
         lay = StepLayout(offsets, pre, dec_idx, dec_slot_list, dec_len_list, all_dec, contiguous, dec_max,
                          self.paged)
         index = {"positions": positions, "slots": slots, "dec_tok": dec_tok, "dec_slots": dec_slots,
-                 "dec_len": dec_len, "dec_mask": dec_mask, "table": self.block_table}
+                 "dec_len": dec_len, "dec_mask": dec_mask, "tables": self.block_tables}
         for kind, (cos, sin) in ropes.items():
             index[f"cos:{kind}"], index[f"sin:{kind}"] = cos, sin
         # The rows whose logits the step returns: the last layer runs its o_proj and MLP on these rows only
@@ -291,11 +287,11 @@ class SlotModel:
         if self.stack is not None:  # every layer on memfit.runtime.kernels: the C++ loop (fast_stack.py)
             prefill = [x for i, s in pre for x in (offsets[i], s.length, s.slot, s.start)]
             tables = [ropes[k] for k in self.rope.kinds]  # fast_stack numbers each layer's table in this order
-            h = self.stack.forward(h[0], [c for c, _ in tables], [s_ for _, s_ in tables], self.block_table, slots,
+            h = self.stack.forward(h[0], [c for c, _ in tables], [s_ for _, s_ in tables], self.block_tables, slots,
                                    positions, dec_tok, dec_slots, dec_len, all_dec, prefill, keep_t)[None]
         else:
-            # where each token's K/V go: its block (through the table) and the row in it
-            index["blk"] = self.block_table[slots, positions // self.block_size]
+            # where each token's K/V go: its block (through its group's table) and the row in it
+            index["blk"] = self.block_tables[:, slots, positions // self.block_size]
             index["off"] = positions % self.block_size
             h = self._python_layers(h, index, lay, keep_t)
         if not want:
@@ -310,15 +306,17 @@ class SlotModel:
         """The decoder layers, one Python iteration each (any placement, dtype and module type); returns the last
         layer's rows ``keep`` (every row where ``keep`` is empty), as LayerStack.forward does."""
         T = int(h.shape[1])
-        on_device: dict[torch.device, dict] = {}  # the step's index tensors, copied once per device
+        on_device: dict[torch.device, list[dict]] = {}  # the step's index tensors per KV group, once per device
 
         H, KV, D = self.num_heads, self.num_kv, self.head_dim
         prefetch = self.prefetch.enabled
         for li, layer in enumerate(self.layers):
             dev = self.layer_devices[li]
             if dev not in on_device:
-                on_device[dev] = {k: (v.to(dev) if v is not None else None) for k, v in index.items()}
-            ix = on_device[dev]
+                ix = {k: (v.to(dev) if v is not None else None) for k, v in index.items()}
+                on_device[dev] = [{**ix, "table": ix["tables"][g], "blk": ix["blk"][g]}
+                                  for g in range(len(self.kv_groups))]
+            ix = on_device[dev][self.layer_group[li]]
             if h.device != dev:
                 h = h.to(dev)
             if prefetch:
@@ -392,6 +390,10 @@ class SlotModel:
         if self.sandwich[li]:
             y = self._rms_norm(layer.post_feedforward_layernorm, y, ops)
         return h + y
+
+    def assign_blocks(self, rows: int, per_row: int, wrap: bool = False) -> None:
+        """kv_cache.assign_blocks on this model's tables: slots 0..rows-1 each on their own blocks."""
+        assign_blocks(self.block_tables, self.num_blocks, rows, per_row, wrap)
 
     def clear_slot(self, slot: int) -> None:
         """Nothing to do: a slot's stale entries are never read (masks stop at each sequence's length)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from memfit.runtime.kv_groups import group_layers
 from memfit.runtime.slot_model import Segment
 
 VOCAB = 97
@@ -42,6 +43,8 @@ class FakeKVModel:
         self.max_blocks_per_seq = -(-max_seq_len // self.block_size)
         self.block_table = torch.arange(max_batch).unsqueeze(1).repeat(1, self.max_blocks_per_seq) \
             if not self.paged else torch.full((max_batch, self.max_blocks_per_seq), -1, dtype=torch.long)
+        self.block_tables = self.block_table[None]  # one KV group (no sliding window)
+        self.kv_groups = group_layers([None])
         self.cache = torch.full((self.num_blocks, self.block_size), -1, dtype=torch.long)
         self.bytes_per_block = 2 * 4 * self.block_size
         self.cache_bytes = self.num_blocks * self.bytes_per_block

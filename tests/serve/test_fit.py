@@ -52,12 +52,12 @@ def test_kv_plan_is_the_cache_serve_makes(model_dir, kv_dtype):
 
     config = fit_predict.read_model_config(model_dir)
     fmt = fit_predict.dense_formats(model_dir, fit_predict.shapes(model_dir), kernels=True)[0]
-    kv = fit_predict.kv_plan(config, fmt, kv_dtype, running=3, seq_len=40, block_size=16)
+    kv = fit_predict.kv_plan(config, fmt, kv_dtype, running=3, seq_len=40, block_size=16, chunk=32)
     c = fit_predict.Candidate(fmt, kv_dtype, 3, 32, kv, 40)
     args = serve_parser().parse_args(c.serve_args())
     validate(args)  # the command line fit prints is one serve accepts
     cfg = ServeConfig(model_path=model_dir, dtype=args.dtype, max_batch=3, max_seq_len=40,
-                      kv_cache_memory=args.kv_budget, kv_cache_dtype=kv_dtype)
+                      kv_cache_memory=args.kv_budget, kv_cache_dtype=kv_dtype, prefill_chunk=args.prefill_chunk)
     state = State(cfg, lambda: load(model_dir, args.dtype, cpu_kernels="auto"))
     state.load()
     assert state.status == "ready", state.error

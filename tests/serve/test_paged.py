@@ -47,7 +47,7 @@ def test_admission_waits_for_blocks_fifo_without_skipping():
     plan = sch.schedule()
     # 3 blocks each: a and b fill the pool; c waits although slots are free, and d (small) does not skip it
     assert _steps(plan) == [(a, 10), (b, 10)] and plan.admitted == [a, b]
-    assert list(sch.waiting) == [c, d] and len(a.blocks) == len(b.blocks) == 3 and sch.pool.num_free == 0
+    assert list(sch.waiting) == [c, d] and len(a.blocks[0]) == len(b.blocks[0]) == 3 and sch.pool.num_free == 0
     assert sch.kv_usage() == 1.0
     a.cancelled = True
     plan = sch.schedule()  # a's blocks come back: c is admitted, d still does not fit
@@ -59,10 +59,10 @@ def test_prefill_chunk_allocates_only_the_blocks_of_its_tokens():
     a = _seq(18)
     sch.add([a])
     plan = sch.schedule()
-    assert _steps(plan) == [(a, 5)] and len(a.blocks) == 2
+    assert _steps(plan) == [(a, 5)] and len(a.blocks[0]) == 2
     _run(sch, plan)
     plan = sch.schedule()
-    assert _steps(plan) == [(a, 5)] and a.computed == 5 and len(a.blocks) == 3
+    assert _steps(plan) == [(a, 5)] and a.computed == 5 and len(a.blocks[0]) == 3
 
 
 def _until_preempted(sch: Scheduler):
@@ -84,7 +84,7 @@ def test_decode_out_of_blocks_preempts_the_most_recent_and_resumes_it():
     plan = _until_preempted(sch)
     # position 12 needs a fourth block each: a (admitted first) gets it by preempting b (the most recent)
     assert plan.preempted == [b] and _steps(plan) == [(a, 1)] and list(sch.waiting) == [b]
-    assert a.computed == 12 and len(a.blocks) == 4
+    assert a.computed == 12 and len(a.blocks[0]) == 4
     assert b.slot is None and b.blocks == [] and b.computed == 0 and b.prefill_len == 13 == len(b.tokens)
     assert b.out_ids == [5] * 6 and sch.num_preemptions == 1 and b.num_preemptions == 1
     # a runs on; b waits (none admitted while memory is short) until the pool holds its first chunk
@@ -132,8 +132,8 @@ def test_prefix_cache_hit_computes_only_the_rest_and_counts():
     sch.add([b])
     plan = sch.schedule()
     # a's blocks 0 and 1 (positions 0-7) are full and registered: b reuses both, shares them
-    assert _steps(plan) == [(a, 1), (b, 5)] and b.blocks[:2] == a.blocks[:2] and b.cache_hit == 8
-    assert sch.pool.ref[a.blocks[0]] == 2 and sch.pool.queries == 23 and sch.pool.hits == 8
+    assert _steps(plan) == [(a, 1), (b, 5)] and b.blocks[0][:2] == a.blocks[0][:2] and b.cache_hit == 8
+    assert sch.pool.ref[a.blocks[0][0]] == 2 and sch.pool.queries == 23 and sch.pool.hits == 8
     while sch.has_work():
         _run(sch, sch.schedule())
     assert sch.pool.leaks() == [] and sch.pool.num_cached >= 2

@@ -6,6 +6,7 @@ pool of one sequence's blocks changes nothing, and every block is back afterward
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,11 +35,19 @@ class Out:
             self.done.set()
 
 
-def _generate(sm, tok, prompts, max_tokens, chunk=7, prefix_caching=True, logprobs=None, one_by_one=False):
-    """Each prompt's greedy tokens from an engine on ``sm``; returns (outputs, engine, tokens fed per step)."""
+def _generate(sm, tok, prompts, max_tokens, chunk=7, prefix_caching=True, logprobs=None, one_by_one=False,
+              used: list[int] | None = None):
+    """Each prompt's greedy tokens from an engine on ``sm``; returns (outputs, engine, tokens fed per step).
+    ``used``: gets the pool's blocks in use at each step."""
     eng = Engine(sm, tok, set(), prefill_chunk=chunk, max_queue=256, prefix_caching=prefix_caching)
     fed: list[int] = []
-    eng.step_hook = lambda segs: fed.append(sum(s.length for s in segs))
+
+    def hook(segs):
+        fed.append(sum(s.length for s in segs))
+        if used is not None:
+            used.append(eng.pool.num_used)
+
+    eng.step_hook = hook
     outs = [Out() for _ in prompts]
     seqs = [Sequence(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
                                        logprobs=0 if logprobs is None else logprobs), o, sm.vocab_size)
@@ -147,4 +156,100 @@ def test_odd_block_sizes(loaded, block_size):
     paged, eng, _ = _generate(SlotModel(loaded.model, 2, 40, num_blocks=80 // block_size, block_size=block_size),
                               loaded.tokenizer, prompts, [7, 7])
     assert [o.ids for o in paged] == [o.ids for o in static]
+    assert eng.kv_leaks() == []
+
+
+def _sliding_gemma(window: int = 8):
+    """4 sliding layers (window ``window``) and 2 full ones: 3 KV groups of 2 layers, 2 cache tensors."""
+    from tests.memfit.runtime.conftest import tiny_gemma3
+
+    torch.manual_seed(0)
+    return tiny_gemma3(["sliding_attention", "sliding_attention", "full_attention"] * 2, window=window, head_dim=16,
+                       vocab_size=120, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=1, max_position_embeddings=128).eval()
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_sliding_groups_free_blocks_behind_the_window_and_equal_static_and_hf(loaded, kernels):
+    """Prompts longer than the window: the sliding groups give back their old blocks while the sequences run
+    (peak blocks held below what whole sequences take), and the greedy tokens equal the static engine's and HF's."""
+    model = _sliding_gemma()
+    prompts = _prompts(120, [29, 6, 41], seed=5)
+    mt = [14, 20, 9]
+    want = [hf_greedy(SimpleNamespace(model=model), p, m) for p, m in zip(prompts, mt, strict=True)]
+    sm = SlotModel(model, 3, 64, num_blocks=60, block_size=4, cpu_kernels=kernels, dense_kernel=kernels)
+    assert len(sm.kv_groups) == 3 and sm.kv_groups.size == 2 and len({id(k) for k in sm.k_cache}) == 2
+    assert (sm.stack is not None) == (kernels == "on")
+    peak: list[int] = []
+    out, eng, _ = _generate(sm, loaded.tokenizer, prompts, mt, used=peak)
+    static, _, _ = _generate(SlotModel(model, 3, 64, cpu_kernels=kernels, dense_kernel=kernels), loaded.tokenizer,
+                             prompts, mt)
+    assert [o.ids for o in out] == [o.ids for o in static] == want
+    whole = sum(3 * -(-(len(p) + m - 1) // 4) for p, m in zip(prompts, mt, strict=True))  # no dropping
+    assert max(peak) < whole
+    assert eng.kv_leaks() == [] and eng.pool.num_free == 60
+
+
+def test_a_sequence_longer_than_the_pool_runs_when_its_sliding_groups_drop_blocks(loaded):
+    """60 positions in blocks of 4: 15 blocks in each of 3 groups (45) without dropping; the pool has 27. The full
+    group holds 15, each sliding one at most blocks_for(8 - 1 + 7) + 1 = 5."""
+    model = _sliding_gemma()
+    prompt = _prompts(120, [40], seed=6)[0]
+    sm = SlotModel(model, 1, 64, num_blocks=27, block_size=4)
+    out, eng, _ = _generate(sm, loaded.tokenizer, [prompt], [20])
+    assert out[0].ids == hf_greedy(SimpleNamespace(model=model), prompt, 20)
+    assert eng.kv_leaks() == []
+
+
+def test_sliding_prefix_hit_and_preemption_equal_a_miss(loaded):
+    """A shared 37-token prefix (past the window): the second request reuses the full group's blocks and the
+    sliding groups' blocks inside the window, and computes fewer tokens; a pool of one sequence preempts and
+    resumes; the tokens are the same throughout."""
+    model = _sliding_gemma()
+    shared = _prompts(120, [37], seed=7)[0]
+    a, b = shared + [5, 6, 7], shared + [9]
+    sm = SlotModel(model, 2, 64, num_blocks=80, block_size=4)
+    miss, _, fed_miss = _generate(sm, loaded.tokenizer, [a, b], [6, 6], chunk=256, prefix_caching=False,
+                                  logprobs=3, one_by_one=True)
+    hit, eng, fed_hit = _generate(sm, loaded.tokenizer, [a, b], [6, 6], chunk=256, logprobs=3, one_by_one=True)
+    for m, h in zip(miss, hit, strict=True):
+        assert h.ids == m.ids
+        torch.testing.assert_close(torch.tensor(h.logprobs), torch.tensor(m.logprobs), atol=1e-4, rtol=1e-4)
+    assert sum(fed_miss) - sum(fed_hit) == 36  # b found a's first 9 blocks
+    assert eng.kv_leaks() == []
+    prompts = _prompts(120, [20, 11, 26], seed=8)
+    mt = [30, 25, 20]
+    ref, _, _ = _generate(SlotModel(model, 3, 64), loaded.tokenizer, prompts, mt)
+    small = SlotModel(model, 3, 64, num_blocks=28, block_size=4)  # one 50-position sequence, and a little
+    out, eng, _ = _generate(small, loaded.tokenizer, prompts, mt)
+    assert [o.ids for o in out] == [r.ids for r in ref]
+    assert eng.scheduler.num_preemptions > 0 and eng.kv_leaks() == [] and eng.pool.num_free == 28
+
+
+GEMMA = Path(__file__).resolve().parents[2] / ".cache" / "models" / "gemma3-270m"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (GEMMA / "config.json").is_file(), reason="make real-model not run")
+def test_real_gemma3_long_prompt_in_a_pool_that_needs_the_window_dropped():
+    """Gemma 3 270M (6 KV groups of 3 layers), a 1,400-token prompt in 256-token chunks: the pool holds exactly the
+    blocks the sliding groups need (0.63x of the whole sequence's), and the greedy tokens equal the static
+    engine's."""
+    from memfit.hf import load_pretrained, load_tokenizer
+
+    model = load_pretrained(str(GEMMA)).eval()
+    tok = load_tokenizer(str(GEMMA))
+    prompt = torch.randint(1000, 200000, (1400,), generator=torch.Generator().manual_seed(0)).tolist()
+    static, _, _ = _generate(SlotModel(model, 1, 1424, dense_kernel="on", cpu_kernels="on"), tok, [prompt], [8],
+                             chunk=256)
+    model = load_pretrained(str(GEMMA)).eval()
+    probe = SlotModel(model, 1, 1424, num_blocks=1, block_size=16)
+    groups = probe.kv_groups
+    assert len(groups) == 6 and groups.size == 3
+    need = groups.blocks_held(1408, 16, 256)
+    assert need == 88 + 5 * 49 < 6 * 88  # whole: 88 blocks in each group; a sliding one 512 - 1 + 256 positions
+    del probe
+    sm = SlotModel(model, 1, 1424, num_blocks=need, block_size=16, dense_kernel="on", cpu_kernels="on")
+    paged, eng, _ = _generate(sm, tok, [prompt], [8], chunk=256)
+    assert paged[0].ids == static[0].ids
     assert eng.kv_leaks() == []

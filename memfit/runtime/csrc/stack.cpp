@@ -101,7 +101,7 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> no
                        std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
                        std::vector<at::Tensor> v_cache, std::vector<at::Tensor> k_scale,
                        std::vector<at::Tensor> v_scale, std::vector<int64_t> ropes, std::vector<int64_t> windows,
-                       std::vector<int64_t> mlp_acts, std::vector<int64_t> parallel, int64_t heads,
+                       std::vector<int64_t> kv_groups, std::vector<int64_t> mlp_acts, std::vector<int64_t> parallel, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, double scale, bool bf16_dot)
     : kc_(std::move(k_cache)), vc_(std::move(v_cache)), H_(heads), KV_(kv_heads), D_(head_dim), scale_(scale) {
   const size_t L = kc_.size();
@@ -113,9 +113,9 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> no
   TORCH_CHECK(vc_.size() == L && norms.size() == kNorms * L && norm_bias.size() == kNorms * L &&
                   eps.size() == kNorms * L && kinds.size() == 4 * L && a.size() == 4 * L && b.size() == 4 * L &&
                   c.size() == 4 * L && groups.size() == 4 * L && blocks.size() == 4 * L && ropes.size() == L &&
-                  windows.size() == L && mlp_acts.size() == L && parallel.size() == L,
-              "LayerStack: 6 norms, 4 linears (qkv, o, gate_up, down), a RoPE table, a window, an MLP activation "
-              "and a residual kind per layer");
+                  windows.size() == L && kv_groups.size() == L && mlp_acts.size() == L && parallel.size() == L,
+              "LayerStack: 6 norms, 4 linears (qkv, o, gate_up, down), a RoPE table, a window, a KV group, an MLP "
+              "activation and a residual kind per layer");
   auto none = [](const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; };
   for (size_t li = 0; li < L; ++li) {
     LayerSpec ls;
@@ -123,6 +123,7 @@ LayerStack::LayerStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> no
       ls.norms[k] = Norm{none(norms[kNorms * li + k]), none(norm_bias[kNorms * li + k]), eps[kNorms * li + k]};
     ls.rope = ropes[li];
     ls.window = windows[li];
+    ls.kv_group = kv_groups[li];
     ls.mlp_act = mlp_acts[li];
     ls.parallel = parallel[li] != 0;
     const auto& n = ls.norms;
@@ -171,7 +172,7 @@ at::Tensor LayerStack::attend(const at::Tensor& q, size_t li, const at::Tensor& 
 }
 
 at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                               const at::Tensor& table, const at::Tensor& slots, const at::Tensor& positions,
+                               const at::Tensor& tables, const at::Tensor& slots, const at::Tensor& positions,
                                const at::Tensor& dec_tok,
                                const at::Tensor& dec_slots, const at::Tensor& dec_len, bool all_dec,
                                const std::vector<int64_t>& prefill, const at::Tensor& keep) {
@@ -185,6 +186,8 @@ at::Tensor LayerStack::forward(at::Tensor h, const std::vector<at::Tensor>& cos,
     const auto& nm = ls.norms;
     const LinearSpec* lin = &linears_[4 * li];
     TORCH_CHECK(ls.rope < static_cast<int64_t>(cos.size()), "no RoPE table ", ls.rope);
+    TORCH_CHECK(tables.dim() == 3 && ls.kv_group < tables.size(0), "no block table for KV group ", ls.kv_group);
+    const auto table = tables.select(0, ls.kv_group);  // [slots, blocks per sequence]
     auto x = norm(nm[kNormIn], h);
     auto heads = run_linear(lin[0], x).view({T, H + 2 * KV, D});
     rope_store(heads, cos[ls.rope], sin[ls.rope], H + KV, H, H + KV, kc_[li], vc_[li], table, slots, positions,
@@ -225,7 +228,8 @@ void bind_stack(pybind11::module_& m) {
                           std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                          std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, bool>())
+                          std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t,
+                          int64_t, double, bool>())
       .def("forward", &LayerStack::forward,
            "the decoder layers over h [T, hidden] (fp32, CPU): the last layer's output rows `keep` "
            "([len(keep), hidden]), all T rows where keep is empty");

@@ -47,6 +47,7 @@ struct LayerSpec {
   std::array<Norm, kNorms> norms;
   int64_t rope;    // which of forward's (cos, sin) tables the layer's RoPE uses
   int64_t window;  // sliding window (0: none): a query at position p sees keys p - window < j <= p
+  int64_t kv_group;  // which of forward's block tables (one per KV group, memfit/runtime/kv_groups.py) it reads
   int64_t mlp_act;  // PlainAct
   bool parallel;    // GPT-NeoX: h + attn(norm_in(h)) + mlp(norm_post(h)), both reading the layer's input
 };
@@ -54,19 +55,20 @@ struct LayerSpec {
 class LayerStack {
  public:
   // per layer: 6 norms (NormSlot order; empty tensors where absent), their biases (empty: an RMSNorm) and eps,
-  // 4 linears (qkv, o, gate_up or the plain MLP's up, down), the paged caches (common.h: KvPages; the block table
-  // comes with each forward) and their scales (int8 caches; empty tensors for fp32 ones), the RoPE table index,
-  // the sliding window, the MLP's PlainAct and whether the residual is parallel
+  // 4 linears (qkv, o, gate_up or the plain MLP's up, down), the paged caches (common.h: KvPages; the block tables
+  // come with each forward) and their scales (int8 caches; empty tensors for fp32 ones), the RoPE table index,
+  // the sliding window, the KV group (its block table), the MLP's PlainAct and whether the residual is parallel
   LayerStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> norm_bias, std::vector<double> eps,
              std::vector<int64_t> kinds,
              std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> c,
              std::vector<int64_t> groups, std::vector<int64_t> blocks, std::vector<at::Tensor> k_cache,
              std::vector<at::Tensor> v_cache, std::vector<at::Tensor> k_scale, std::vector<at::Tensor> v_scale,
-             std::vector<int64_t> ropes, std::vector<int64_t> windows, std::vector<int64_t> mlp_acts,
+             std::vector<int64_t> ropes, std::vector<int64_t> windows, std::vector<int64_t> kv_groups,
+             std::vector<int64_t> mlp_acts,
              std::vector<int64_t> parallel, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
              bool bf16_dot);
   at::Tensor forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                     const at::Tensor& table, const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
+                     const at::Tensor& tables, const at::Tensor& slots, const at::Tensor& positions, const at::Tensor& dec_tok,
                      const at::Tensor& dec_slots, const at::Tensor& dec_len, bool all_dec,
                      const std::vector<int64_t>& prefill, const at::Tensor& keep);
 

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memfit.errors import UserError
+from memfit.runtime.kv_groups import group_layers, layer_windows
 from memfit.runtime.slot_model import Segment, SlotModel
 
 from .conftest import check_steps, tiny_gemma3
@@ -29,18 +30,21 @@ def _model(kind: str) -> torch.nn.Module:
 
 def _paged(model: torch.nn.Module, max_batch: int, max_seq_len: int, path: str, seed: int = 0,
            cache_dtype: torch.dtype | None = None) -> SlotModel:
-    """A paged SlotModel whose slots own disjoint blocks in a shuffled order (5 spare blocks no slot names).
-    ``path``: "cpp" (the C++ layer loop), "kernels" (the Python loop on memfit's kernels), "torch" (torch ops)."""
+    """A paged SlotModel whose slots own disjoint blocks in every KV group, in a shuffled order (5 spare blocks no
+    slot names). ``path``: "cpp" (the C++ layer loop), "kernels" (the Python loop on memfit's kernels), "torch"
+    (torch ops)."""
     per = -(-max_seq_len // BS)
     kernels = "off" if path == "torch" else "on"
+    G = len(group_layers(layer_windows(model.config, max_seq_len)))
     sm = SlotModel(model, max_batch, max_seq_len, dense_kernel=kernels, cpu_kernels=kernels,
-                   num_blocks=max_batch * per + 5, block_size=BS, cache_dtype=cache_dtype)
-    assert sm.paged and sm.k_cache[0].shape[0] == max_batch * per + 5 and sm.k_cache[0].shape[2] == BS
+                   num_blocks=G * max_batch * per + 5, block_size=BS, cache_dtype=cache_dtype)
+    assert sm.paged and sm.k_cache[0].shape[0] == G * max_batch * per + 5 and sm.k_cache[0].shape[2] == BS
+    assert len(sm.kv_groups) == G
     if path == "kernels":
         sm.stack = None
     assert (sm.stack is not None) == (path == "cpp")
     perm = torch.randperm(sm.num_blocks, generator=torch.Generator().manual_seed(seed))
-    sm.block_table[:] = perm[:max_batch * per].view(max_batch, per)
+    sm.block_tables[:] = perm[:G * max_batch * per].view(G, max_batch, per)
     return sm
 
 
@@ -68,7 +72,7 @@ def test_a_shared_prefix_of_blocks_gives_the_same_logits(path: str) -> None:
         ref = model(full[None]).logits[0]
     sm = _paged(model, 2, 32, path)
     sm.forward(torch.cat([prefix, tail[:2]]), [Segment(0, 0, 14)])  # slot 0: the whole prefix and 2 more
-    sm.block_table[1, :3] = sm.block_table[0, :3]
+    sm.block_tables[:, 1, :3] = sm.block_tables[:, 0, :3]
     out = sm.forward(tail, [Segment(1, 12, 9)])
     torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
 
@@ -110,8 +114,11 @@ def test_int8_kv_is_close_to_fp32_and_the_same_on_every_path(kind: str) -> None:
     for path in ("cpp", "kernels", "torch"):
         sm = _paged(model, 2, 64, path, cache_dtype=torch.int8)
         assert sm.kv_int8 and sm.k_cache[0].dtype == torch.int8
-        # 1 byte per value plus a 4-byte scale per row of 16 values (this model's head_dim)
-        assert sm.bytes_per_block == sum(2 * (c[0].numel() + 4 * c[0].numel() // c.shape[-1]) for c in sm.k_cache)
+        # 1 byte per value plus a 4-byte scale per row of 16 values (this model's head_dim), in each cache
+        # tensor (the layers of different KV groups share one)
+        caches = {id(c): c for c in sm.k_cache}.values()
+        assert len(caches) == sm.kv_groups.size
+        assert sm.bytes_per_block == sum(2 * (c[0].numel() + 4 * c[0].numel() // c.shape[-1]) for c in caches)
         outs[path] = []
         seqs = {0: a, 1: b}
         for step in steps:
