@@ -309,6 +309,7 @@ def test_health_reports_the_paged_kv_cache_and_prefix_hits(server):
     # the server fixture: --max-batch 4 x --max-seq-len 256 caps the default budget at 4 x 16 blocks of 16
     assert kv["paged"] is True and kv["prefix_caching"] is True and kv["block_size"] == 16
     assert kv["blocks_total"] == 64 and kv["blocks_free"] == 64 and kv["bytes"] > 0
+    assert kv["kv_groups"] == 1 and kv["sliding_windows"] == []  # a Llama: every layer in one group
     body = {"model": "tiny", "prompt": "the slings and arrows of outrageous fortune, " * 4, "max_tokens": 4,
             "temperature": 0}
     texts = [httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]

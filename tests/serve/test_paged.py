@@ -54,6 +54,24 @@ def test_admission_waits_for_blocks_fifo_without_skipping():
     assert plan.aborted == [a] and plan.admitted == [c] and list(sch.waiting) == [d]
 
 
+def test_admission_leaves_room_for_the_running_sequences_and_its_whole_prompt():
+    # 3 blocks of 4; a (6 tokens + 1 new) takes 2. b's first chunk (2 tokens, the step's budget left) would fit
+    # the free block, but its whole prompt (2 blocks) would not: admitting it would preempt a (or b) a step later
+    sch = _sched(num_blocks=3, chunk=8)
+    a, b = _seq(6, max_tokens=2), _seq(8, max_tokens=1, start=40)
+    sch.add([a, b])
+    plan = sch.schedule()
+    assert _steps(plan) == [(a, 6)] and plan.admitted == [a] and list(sch.waiting) == [b]
+    _run(sch, plan)
+    plan = sch.schedule()  # a decodes: one more block may come soon, b still waits
+    assert _steps(plan) == [(a, 1)] and list(sch.waiting) == [b]
+    _run(sch, plan)
+    assert a.finished
+    plan = sch.schedule()
+    assert plan.admitted == [b] and _steps(plan) == [(b, 8)] and sch.num_preemptions == 0
+    assert sch.pool.queries == 6 + 8  # b waited two steps: its prefix-cache lookup counts once
+
+
 def test_prefill_chunk_allocates_only_the_blocks_of_its_tokens():
     sch = _sched(num_blocks=10, chunk=5)
     a = _seq(18)

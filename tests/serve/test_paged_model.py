@@ -98,20 +98,26 @@ def test_preemption_in_a_pool_of_one_sequence_gives_the_same_tokens(loaded):
         assert eng.kv_leaks() == [] and eng.pool.num_free == 16
 
 
-def test_prefix_hit_equals_miss_and_computes_fewer_tokens(loaded):
-    V = loaded.model.config.vocab_size
-    shared = _prompts(V, [37], seed=2)[0]
+def _hit_vs_miss(sm, tok, vocab: int, seed: int) -> tuple[Engine, int, int]:
+    """Two prompts sharing a 37-token prefix, one after the other, without and with the prefix cache: equal
+    tokens and log-probabilities. Returns the caching engine, the tokens it did not compute, the prompts' length."""
+    shared = _prompts(vocab, [37], seed=seed)[0]
     a, b = shared + [5, 6, 7], shared + [9]
-    sm = SlotModel(loaded.model, 4, 128, num_blocks=64, block_size=8)
-    miss, _, fed_miss = _generate(sm, loaded.tokenizer, [a, b], [6, 6], chunk=256, prefix_caching=False,
-                                  logprobs=3, one_by_one=True)
-    hit, eng, fed_hit = _generate(sm, loaded.tokenizer, [a, b], [6, 6], chunk=256, logprobs=3, one_by_one=True)
+    miss, _, fed_miss = _generate(sm, tok, [a, b], [6, 6], chunk=256, prefix_caching=False, logprobs=3,
+                                  one_by_one=True)
+    hit, eng, fed_hit = _generate(sm, tok, [a, b], [6, 6], chunk=256, logprobs=3, one_by_one=True)
     for m, h in zip(miss, hit, strict=True):
         assert h.ids == m.ids
         torch.testing.assert_close(torch.tensor(h.logprobs), torch.tensor(m.logprobs), atol=1e-4, rtol=1e-4)
+    return eng, sum(fed_miss) - sum(fed_hit), len(a) + len(b)
+
+
+def test_prefix_hit_equals_miss_and_computes_fewer_tokens(loaded):
+    sm = SlotModel(loaded.model, 4, 128, num_blocks=64, block_size=8)
+    eng, saved, prompt_tokens = _hit_vs_miss(sm, loaded.tokenizer, loaded.model.config.vocab_size, seed=2)
     # b's first 4 blocks (32 tokens) came from a's: 38 - 32 prompt tokens computed instead of 38
-    assert sum(fed_miss) - sum(fed_hit) == 32
-    assert eng.pool.hits == 32 and eng.pool.queries == len(a) + len(b)
+    assert saved == 32
+    assert eng.pool.hits == 32 and eng.pool.queries == prompt_tokens
 
 
 def test_gemma3_sliding_layers_paged_equals_static(loaded):
@@ -188,6 +194,8 @@ def test_sliding_groups_free_blocks_behind_the_window_and_equal_static_and_hf(lo
     whole = sum(3 * -(-(len(p) + m - 1) // 4) for p, m in zip(prompts, mt, strict=True))  # no dropping
     assert max(peak) < whole
     assert eng.kv_leaks() == [] and eng.pool.num_free == 60
+    info = eng.kv_info()  # /health's kv
+    assert (info["kv_groups"], info["layers_per_block"], info["sliding_windows"]) == (3, 2, [8])
 
 
 def test_a_sequence_longer_than_the_pool_runs_when_its_sliding_groups_drop_blocks(loaded):
@@ -206,16 +214,8 @@ def test_sliding_prefix_hit_and_preemption_equal_a_miss(loaded):
     sliding groups' blocks inside the window, and computes fewer tokens; a pool of one sequence preempts and
     resumes; the tokens are the same throughout."""
     model = _sliding_gemma()
-    shared = _prompts(120, [37], seed=7)[0]
-    a, b = shared + [5, 6, 7], shared + [9]
-    sm = SlotModel(model, 2, 64, num_blocks=80, block_size=4)
-    miss, _, fed_miss = _generate(sm, loaded.tokenizer, [a, b], [6, 6], chunk=256, prefix_caching=False,
-                                  logprobs=3, one_by_one=True)
-    hit, eng, fed_hit = _generate(sm, loaded.tokenizer, [a, b], [6, 6], chunk=256, logprobs=3, one_by_one=True)
-    for m, h in zip(miss, hit, strict=True):
-        assert h.ids == m.ids
-        torch.testing.assert_close(torch.tensor(h.logprobs), torch.tensor(m.logprobs), atol=1e-4, rtol=1e-4)
-    assert sum(fed_miss) - sum(fed_hit) == 36  # b found a's first 9 blocks
+    eng, saved, _ = _hit_vs_miss(SlotModel(model, 2, 64, num_blocks=80, block_size=4), loaded.tokenizer, 120, seed=7)
+    assert saved == 36  # b found a's first 9 blocks: the full group's all, the sliding groups' last two
     assert eng.kv_leaks() == []
     prompts = _prompts(120, [20, 11, 26], seed=8)
     mt = [30, 25, 20]
