@@ -5,10 +5,9 @@ One call runs any mix of decode tokens and prefill chunks of different sequences
 matrix so every Linear runs once per layer. Each layer's cache is [num_blocks, kv_heads, block_size, head_dim];
 ``block_tables[group, slot]`` lists the blocks of the sequence in that slot for the layers of one KV group (serve's
 scheduler fills it; kv_cache.py); without ``block_size`` a slot owns one block of ``max_seq_len`` positions (the
-static cache). Only the HF *modules* are
-called, so compress's quantized Linears work unchanged; RoPE is the model's own rotary_emb (rope.py), attention
-attention.py. Where every layer runs on memfit's CPU kernels the layers are one C++ call (fast_stack); this
-Python loop is its reference and runs everything else.
+static cache). Only the HF *modules* are called, so compress's quantized Linears work unchanged; RoPE is the
+model's own rotary_emb (rope.py), attention attention.py. Where every layer runs on memfit's CPU kernels the
+layers are one C++ call (fast_stack); this Python loop is its reference and runs everything else.
 """
 
 from __future__ import annotations
