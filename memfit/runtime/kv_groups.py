@@ -22,12 +22,17 @@ from dataclasses import dataclass
 NULL_BLOCK = -1  # a sliding group's entry for a block behind its window, given back (the table's entry is stale)
 
 
+# config.json names of GPT-2 style configs (HF's config classes map them as attribute_map; a dict does not)
+_ALIASES = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head", "hidden_size": "n_embd"}
+
+
 def config_value(config, key: str):
-    """``key`` of an HF config or config.json's dict (multimodal configs: from ``text_config``)."""
+    """``key`` of an HF config or config.json's dict (multimodal configs: from ``text_config``; GPT-2's
+    ``n_layer``-style names)."""
     if isinstance(config, dict):
-        v = config.get(key)
+        v = config.get(key, config.get(_ALIASES.get(key, key)))
         if v is None and isinstance(config.get("text_config"), dict):  # Gemma 3's multimodal checkpoints
-            v = config["text_config"].get(key)
+            v = config_value(config["text_config"], key)
         return v
     return getattr(config, key, None)
 

@@ -118,6 +118,7 @@ def test_sizes_and_the_budget_in_blocks():
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
     assert kv_bytes_per_token(cfg, 4) == 2 * 2 * 2 * 16 * 4
     assert kv_bytes_per_token({"text_config": cfg}, 2) == 2 * 2 * 2 * 16 * 2  # multimodal config.json
+    assert kv_bytes_per_token({"n_layer": 2, "n_head": 4, "n_embd": 64}, 4) == 2 * 2 * 4 * 16 * 4  # GPT-2's names
     assert kv_bytes_per_token(cfg, 4, "int8") == 2 * 2 * 2 * (16 + 4)  # a byte an element, an fp32 scale a row
     lay = KVLayout(group_layers([None, None]), 16, 1000)
     assert num_kv_blocks(64_500, lay, 4, 256, 256)[0] == 64  # explicit: not capped by --max-batch

@@ -21,6 +21,7 @@ def test_layer_windows_from_the_config_kinds():
                           "max_window_layers": 2}, 128) == [None] * 4  # Qwen2 as shipped
     assert layer_windows({"num_hidden_layers": 4, "sliding_window": 64, "use_sliding_window": True,
                           "max_window_layers": 2}, 128) == [None, None, 64, 64]
+    assert layer_windows({"n_layer": 2, "n_head": 2, "n_embd": 32}, 64) == [None] * 2  # GPT-2's config.json
     assert layer_windows(SimpleNamespace(num_hidden_layers=2, sliding_window=8,
                                          layer_types=["full_attention", "sliding_attention"]), 64) == [None, 8]
 
