@@ -242,7 +242,7 @@ class Scheduler:
             if max(whole, need * len(hit)) + reused_free + self._reserved() > pool.num_free:
                 return None
         self.waiting.popleft()
-        if s.num_preemptions == 0:  # a first admission is a prefix-cache query (a resume is not)
+        if s.num_preemptions == 0 and pool.enable_prefix_caching:  # a first admission is a query (a resume not)
             pool.queries += len(s.tokens)
             pool.hits += computed
         for row in hit:

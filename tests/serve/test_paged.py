@@ -99,6 +99,7 @@ def test_decode_out_of_blocks_preempts_the_most_recent_and_resumes_it():
     sch.add([a, b])
     plan = sch.schedule()
     assert _steps(plan) == [(a, 7), (b, 7)] and sch.pool.num_free == 2
+    assert sch.pool.queries == 0  # prefix caching off: no lookups to count
     plan = _until_preempted(sch)
     # position 12 needs a fourth block each: a (admitted first) gets it by preempting b (the most recent)
     assert plan.preempted == [b] and _steps(plan) == [(a, 1)] and list(sch.waiting) == [b]
