@@ -7,7 +7,8 @@ With a paged KV cache the runner also writes the planned sequences' block lists 
 the last step: block lists only grow while their sequence runs (one new block per group every ``block_size``
 tokens), so most decode steps write nothing; a row whose sequence changed (a new or resumed sequence in that
 slot) is written whole. An entry a sliding group dropped (``NULL_BLOCK``) is written as block 0, or left as it
-was: attention never reads a block behind its window."""
+was: attention never uses a block behind its window (the kernels skip it; the gathering fallbacks slice or mask
+it away)."""
 
 from __future__ import annotations
 
