@@ -4,14 +4,15 @@ give back the blocks behind their window while a sequence runs.
 A sliding layer (Gemma 2/3, Mistral, Qwen2 and Phi-3 windows) never reads a key ``window`` or more positions behind
 its query, so its blocks behind the window are dead; a full-attention layer reads every block. Layers are grouped
 by window (None: full attention), every group the same number of layers (the gcd of each window's layer count).
-One pool of blocks serves every group, a block being ``size`` layers deep, and each group has its own block table:
-vLLM's hybrid KV cache manager (vllm/v1/core/kv_cache_coordinator.py), which also pads groups where the counts
-are coprime; here they are split to the gcd. The i-th layer of every group shares one cache tensor (a block
-belongs to one group at a time), so the cache is ``size`` tensors of ``num_blocks`` blocks.
+One pool of blocks serves every group, a block being ``size`` layers deep, and each group has its own block table,
+the scheme of vLLM's hybrid KV cache manager (vllm/v1/core/kv_cache_coordinator.py). The i-th layer of every group
+shares one cache tensor (a block belongs to one group at a time), so the cache is ``size`` tensors of
+``num_blocks`` blocks.
 
-Gemma 3 270M: 15 sliding layers (window 512) and 3 full ones make 6 groups of 3. A 2048-token sequence holds
-3 x 128 + 15 x 33 layer-blocks of 16 tokens instead of 18 x 128: 0.38x the memory. A model without sliding
-layers is one group of all its layers, the cache as before. Nothing here imports torch.
+Gemma 3 270M: 15 sliding layers (window 512) and 3 full ones make 6 groups of 3. A 2048-token sequence decoding
+holds 3 x 128 + 15 x 33 layer-blocks of 16 tokens instead of 18 x 128: 0.38x the memory (0.49x while prefilled in
+256-token chunks: ``blocks_held``). A model without sliding layers is one group of all its layers, the cache as
+before. Nothing here imports torch.
 """
 
 from __future__ import annotations
