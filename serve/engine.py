@@ -131,7 +131,7 @@ class Engine:
         groups = m.kv_groups  # a block is block_size positions in every layer of one group (kv_groups.py)
         return {"paged": True, "dtype": dtype, "block_size": p.block_size, "blocks_total": p.num_blocks,
                 "kv_groups": len(groups), "layers_per_block": groups.size,
-                "sliding_windows": sorted({w for w in groups.windows if w}),
+                "sliding_windows": groups.sliding_windows,
                 "blocks_free": p.num_free, "blocks_cached": p.num_cached, "bytes": p.num_blocks * m.bytes_per_block,
                 "prefix_caching": p.enable_prefix_caching, "prefix_cache_queries": p.queries,
                 "prefix_cache_hits": p.hits, "preemptions": self.scheduler.num_preemptions}

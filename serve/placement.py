@@ -167,6 +167,11 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     gpus = torch.cuda.device_count()
     main: int | str = 0 if gpus else "cpu"
+
+    def executes_on(d):
+        """Where a module placed on ``d`` runs: offloaded (cpu / disk) ones on the main GPU, disk on the CPU."""
+        return main if d in ("cpu", "disk") and gpus else ("cpu" if d == "disk" else d)
+
     if isinstance(device_map, dict):
         dm = dict(device_map)
         budget = max_memory
@@ -196,7 +201,7 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
                 need[main] = max(sizes[n] for n in layers)
             for n in layers:
                 d = _owner(dm, n)
-                ex = main if d in ("cpu", "disk") and gpus else ("cpu" if d == "disk" else d)
+                ex = executes_on(d)
                 need[ex] = need.get(ex, 0) + kv
             if all(need.get(k, 0) <= reserve.get(k, 0) for k in need):
                 break
@@ -214,13 +219,12 @@ def compute_plan(model: torch.nn.Module, device_map: str | dict, max_memory: dic
             mods.append(ModulePlan("(all but the decoder layers)", d, size - sum(sizes[n] for n in layers)))
         elif not any(n == k or n.startswith(k + ".") for n in layers):  # not a layer or their parent
             mods.append(ModulePlan(k, d, size))
-            ex = main if d in ("cpu", "disk") and gpus else ("cpu" if d == "disk" else d)
-            if _dev_name(d) != _dev_name(ex):
+            if _dev_name(d) != _dev_name(executes_on(d)):
                 other = max(other, size)
     offloaded = 0
     for n in layers:
         d = _owner(dm, n)
-        ex = main if d in ("cpu", "disk") and gpus else ("cpu" if d == "disk" else d)
+        ex = executes_on(d)
         resident[_dev_name(ex)] = resident.get(_dev_name(ex), 0) + kv
         mods.append(ModulePlan(n, d, sizes[n], kv))
         if _dev_name(d) != _dev_name(ex):

@@ -64,7 +64,7 @@ def kv_prediction(config: dict, args: argparse.Namespace, budget: int | None, ms
     return {"bytes": n * lay.bytes_per_block, "how": how, "block_size": bs, "blocks": n,
             "bytes_per_block": lay.bytes_per_block, "tokens": n * bs // len(groups),  # positions in every layer
             "kv_groups": len(groups), "layers_per_group": groups.size,
-            "sliding_windows": sorted({w for w in groups.windows if w}), "seq_len": seq_len, "sequences_fit": fit,
+            "sliding_windows": groups.sliding_windows, "seq_len": seq_len, "sequences_fit": fit,
             "running_at_once": min(fit, args.max_batch), "static_slots_same_bytes": n * bs // (msl * len(groups))}
 
 

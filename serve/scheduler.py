@@ -310,6 +310,7 @@ class Scheduler:
         eos = self.eos_ids
         pool = self.pool
         register = pool is not None and pool.enable_prefix_caching
+        drop = pool is not None and pool.sliding
         for s, n, tok in zip(plan.seqs, plan.num_tokens, sampled, strict=True):
             s.computed += n
             if register and s.computed >= (s.num_registered + 1) * pool.block_size and s.blocks:
@@ -319,7 +320,7 @@ class Scheduler:
                 for g, row in enumerate(s.blocks):
                     pool.register(row, hashes, s.num_registered, full, g)
                 s.num_registered = full
-            if pool is not None and pool.sliding and s.blocks:  # blocks behind a sliding window go back
+            if drop and s.blocks:  # blocks behind a sliding window go back
                 pool.drop_behind(s.blocks, s.computed)
             if tok is None or s.finished:
                 continue

@@ -87,6 +87,11 @@ class KVGroups:
     def sliding(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    @property
+    def sliding_windows(self) -> list[int]:
+        """The distinct sliding windows, ascending ([] without sliding layers): /health's and serve plan's."""
+        return sorted({w for w in self.windows if w})
+
     def of_layer(self, num_layers: int) -> list[tuple[int, int]]:
         """Per layer: (its group, its index in the group, i.e. the cache tensor it uses)."""
         out = [(0, 0)] * num_layers
