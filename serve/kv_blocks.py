@@ -6,7 +6,8 @@ Modelled on vLLM v1's ``BlockPool`` and ``KVCacheManager`` (vllm/v1/core/), kept
 - the model's K/V cache is ``num_blocks`` blocks of ``block_size`` positions (in every layer); a sequence holds a
   list of block ids covering its positions in order (its row of ``SlotModel.block_table``);
 - every block has a reference count: the sequences whose block list holds it. A block whose count drops to 0 goes
-  to the tail of the free queue, which is also the eviction order (LRU): an allocation takes the queue's head;
+  to the tail of the free queue, which is also the eviction order (LRU): an allocation takes the queue's head
+  (handed out in ascending order, so that a sequence's blocks are one run of memory where they can be);
 - a *full* block of a sequence (``block_size`` computed tokens) is registered under a chain hash,
   ``H(parent block's hash, its token ids)``, so the hash names the whole prefix up to the block's end. A later
   sequence whose tokens start with the same prefix takes those blocks (reference count + 1) instead of computing
@@ -161,6 +162,10 @@ class BlockPool:
                     del self.cached[key]
             self.ref[b] = 1
             out.append(b)
+        # in ascending order: the free queue holds released sequences' blocks last-first, and a sequence whose
+        # blocks run backwards, or are scattered, is read from memory in short runs; sorted, the blocks one
+        # release gave back are read in one run again (the same blocks are taken: eviction order is unchanged)
+        out.sort()
         return out
 
     def release(self, blocks: list[int]) -> None:

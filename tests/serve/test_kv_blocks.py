@@ -28,6 +28,17 @@ def test_allocate_release_and_refcounts():
     assert blocks_for(0, 4) == 0 and blocks_for(1, 4) == 1 and blocks_for(4, 4) == 1 and blocks_for(5, 4) == 2
 
 
+def test_allocation_hands_out_the_evicted_blocks_in_ascending_order():
+    # a release queues a sequence's blocks last-first; the next allocation takes the same blocks (LRU), sorted,
+    # so the kernels read them as one run of memory
+    pool = BlockPool(8, 2)
+    a, b = pool.allocate(4), pool.allocate(4)
+    pool.release(b)
+    pool.release(a)
+    assert list(pool.free) == [7, 6, 5, 4, 3, 2, 1, 0]
+    assert pool.allocate(3) == [5, 6, 7] and pool.allocate(5) == [0, 1, 2, 3, 4]
+
+
 def test_hash_chain_names_the_whole_prefix():
     assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
     assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])

@@ -21,9 +21,9 @@ inline float hsum(v16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// softmax in place over p[0, L): the max, then exp and the sum 16 at a time (the tail in a padded vector)
-inline void softmax_row(float* p, int64_t L) {
-  float m = p[0];
+// exp(p[l] - max) in place over p[0, L), 16 at a time (the tail in a padded vector); returns the sum, the max in m
+inline float exp_row(float* p, int64_t L, float& m) {
+  m = p[0];
   for (int64_t l = 1; l < L; ++l) m = std::max(m, p[l]);
   v16 vs = {};
   int64_t l = 0;
@@ -42,28 +42,42 @@ inline void softmax_row(float* p, int64_t L) {
       sum += t[i];
     }
   }
-  const float inv = 1.f / sum;
+  return sum;
+}
+
+// softmax in place over p[0, L)
+inline void softmax_row(float* p, int64_t L) {
+  float m;
+  const float inv = 1.f / exp_row(p, L, m);
   for (int64_t i = 0; i < L; ++i) p[i] *= inv;
 }
 
-// a run of consecutive key / value rows of one (sequence, KV head): one block's part of its positions; fp32 rows
-// (K, V) or int8 rows (K8, V8) with a scale per row (ks, vs)
+// a run of consecutive key / value rows of one (sequence, KV head g): one block's part of the positions a work item
+// reads, the first of them its row l; fp32 rows (K, V) or int8 rows (K8, V8) with a scale per row (ks, vs)
 struct Span {
   const float *K, *V;
   const int8_t *K8, *V8;
   const float *ks, *vs;
-  int64_t n;
+  int64_t n, g, l;
 };
 
-// the rows of positions [lo, len) of (slot, KV head g), one Span per block they touch
-void spans_of(const KvPages& kv, int64_t slot, int64_t g, int64_t lo, int64_t len, std::vector<Span>& out) {
+// the rows of positions [lo, hi) of `slot`, block by block and within a block head by head: a block holds its KV
+// heads' rows side by side ([KV, block_size, D]), so a whole block is one run of memory (16 KiB at 4 KV heads, D 64,
+// blocks of 16) rather than KV runs of 4 KiB, 16 KiB apart, on which the hardware prefetcher restarts. Decode
+// attention at batch 6 over 1000 positions, 2 threads: read head by head, 14-15 GB/s of paged cache against 23 of
+// static slots; block by block, 24-27 GB/s over consecutive blocks (as static slots), ~17 over shuffled ones.
+void spans_of(const KvPages& kv, int64_t slot, int64_t lo, int64_t hi, std::vector<Span>& out) {
   out.clear();
-  for (int64_t p = lo; p < len;) {
-    const int64_t n = std::min(len, (p / kv.bs + 1) * kv.bs) - p, off = kv.at(slot, g, p);
-    if (kv.q8)
-      out.push_back({nullptr, nullptr, kv.k8 + off, kv.v8 + off, kv.ks + off / kv.D, kv.vs + off / kv.D, n});
-    else
-      out.push_back({kv.k + off, kv.v + off, nullptr, nullptr, nullptr, nullptr, n});
+  for (int64_t p = lo; p < hi;) {
+    const int64_t n = std::min(hi, (p / kv.bs + 1) * kv.bs) - p;
+    for (int64_t g = 0; g < kv.KV; ++g) {
+      const int64_t off = kv.at(slot, g, p);
+      if (kv.q8)
+        out.push_back({nullptr, nullptr, kv.k8 + off, kv.v8 + off, kv.ks + off / kv.D, kv.vs + off / kv.D, n, g,
+                       p - lo});
+      else
+        out.push_back({kv.k + off, kv.v + off, nullptr, nullptr, nullptr, nullptr, n, g, p - lo});
+    }
     p += n;
   }
 }
@@ -79,25 +93,33 @@ inline v16 row16(const float* f, const int8_t* q, int64_t d) {
     return *reinterpret_cast<const v16u*>(f + d);
 }
 
-// one (sequence, KV head) work item with D a multiple of 16, over its L rows in spans: the G query rows' 16-float
-// slices and output accumulators stay in vectors, each key / value row is loaded once for all G, and exp runs 16
-// lanes at a time (replaced a scalar std::exp loop; alternating runs of the two builds, batch 16 at 100 positions,
-// cold caches: ~240-285 vs ~190-270 us a layer, noisy; the decode attention reads its K/V rows near memory
-// bandwidth)
-// A paged cache's spans are short runs (16 rows: 4 KiB at D 64) that the hardware prefetcher restarts on; so the
-// K (or V) rows of the span kAhead spans on are prefetched whole when a span starts (decode step, batch 16 at 128
-// positions, blocks of 16: 0.82x of the static cache without this, 1.0-1.07x with it; 4 or 8 spans ahead: no better).
-constexpr size_t kAhead = 2;
+// The rows a work item reads are prefetched in software kAheadBytes ahead of the row it reads, along its spans: a
+// span is at most one block and the next block can be anywhere in the cache, where the hardware prefetcher starts
+// over. 4 KiB ahead: 2 and 8 KiB were no faster, 16 KiB slower (and with head-by-head spans this cursor read ~16
+// GB/s where prefetching a whole span, two spans ahead, read ~14).
+constexpr int64_t kAheadBytes = 4096;
 
-template <bool Q8>
-inline void prefetch_span(const std::vector<Span>& spans, size_t si, bool value, int64_t D) {
-  if (si >= spans.size()) return;
-  const Span& sp = spans[si];
-  const char* r = Q8 ? reinterpret_cast<const char*>(value ? sp.V8 : sp.K8)
-                     : reinterpret_cast<const char*>(value ? sp.V : sp.K);
-  const int64_t bytes = sp.n * D * (Q8 ? 1 : 4);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b);
-}
+// a cursor over the K (or V) rows of spans: next() prefetches its row and moves on
+struct RowPrefetch {
+  const std::vector<Span>& spans;
+  const bool value, q8;
+  const int64_t row_bytes;
+  size_t si = 0;
+  int64_t i = 0;
+  RowPrefetch(const std::vector<Span>& sp, bool v, bool q, int64_t D)
+      : spans(sp), value(v), q8(q), row_bytes(D * (q ? 1 : 4)) {
+    for (int64_t b = 0; b < kAheadBytes; b += row_bytes) next();
+  }
+  inline void next() {
+    if (si >= spans.size()) return;
+    const Span& sp = spans[si];
+    const char* r = q8 ? reinterpret_cast<const char*>(value ? sp.V8 : sp.K8)
+                       : reinterpret_cast<const char*>(value ? sp.V : sp.K);
+    r += i * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(r + b);
+    if (++i == sp.n) ++si, i = 0;
+  }
+};
 
 // the scores of NJ query rows against one key row (p[j * L], j < NJ): the row is loaded (int8: widened) once for
 // all NJ, not once a query row, so the widening is paid once per key (int8, Gemma 3's shapes, G = 4, batch 16
@@ -175,7 +197,7 @@ inline void key_scores_i16(const int16_t* q16, const int8_t* kq, int64_t D, cons
 #endif
 
 #ifdef MEMFIT_I16_DOT
-// the G query rows as int16 (q16 [G, D]) and their scales, for key_scores_i16
+// G query rows as int16 (q16 [G, D]) and their scales, for key_scores_i16
 inline void queries_i16(const float* const* qs, int64_t G, int64_t D, std::vector<int16_t>& q16,
                         std::vector<float>& qsc) {
   q16.resize(G * D);
@@ -191,82 +213,82 @@ inline void queries_i16(const float* const* qs, int64_t G, int64_t D, std::vecto
 
 #endif
 
-// int8 rows are widened 16 lanes at a time, once per row for all G query rows; the key's scale multiplies its
-// score, the value's its probability.
+// A decode work item: the H query rows of one sequence against its rows in spans (all KV heads; query row h reads
+// head h / G), L rows in all. Scores go to p [H, L]; each row's exp leaves its max in m[h] and its sum in s[h]; the
+// value rows weighted by the unnormalized exps go to out [H, D] (the caller merges a sequence's items). Each key
+// and value row is loaded once for the G query rows of its head (accumulating in an [H, D] tile in L1); int8
+// rows are widened 16 lanes at a time, the key's scale multiplies its score, the value's its probability.
 template <bool Q8>
-void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
-                float* const* outs, std::vector<float>& p, std::vector<v16>& acc, const int16_t* q16 = nullptr,
-                const float* q16s = nullptr) {
+void attend_vec(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t H, int64_t G, int64_t D,
+                float sc, float* m, float* s, float* out, std::vector<float>& p, std::vector<v16>& acc,
+                const int16_t* q16 = nullptr, const float* q16s = nullptr) {
   const int64_t nd = D / 16;
-  p.resize(G * L);
-  acc.assign(G * nd, v16{});
-  int64_t l = 0;
-  const size_t ns = spans.size();
-  for (size_t si = 1; si < kAhead; ++si) prefetch_span<Q8>(spans, si, false, D);
-  for (size_t si = 0; si < ns; ++si) {
-    const Span& sp = spans[si];
-    prefetch_span<Q8>(spans, si + kAhead, false, D);
-    for (int64_t i = 0; i < sp.n; ++i, ++l) {
-      float* pr = p.data() + l;
+  p.resize(H * L);
+  acc.assign(H * nd, v16{});
+  RowPrefetch pk(spans, false, Q8, D);
+  for (const Span& sp : spans) {
+    const int64_t h0 = sp.g * G;
+    for (int64_t i = 0; i < sp.n; ++i) {
+      pk.next();
+      float* pr = p.data() + h0 * L + sp.l + i;
       const float ksc = Q8 ? sp.ks[i] * sc : sc;
 #ifdef MEMFIT_I16_DOT
       if (Q8 && q16) {
         in_fours(G, [&](auto nj, int64_t j) {
-          key_scores_i16<decltype(nj)::value>(q16 + j * D, sp.K8 + i * D, D, q16s + j, ksc, pr + j * L, L);
+          key_scores_i16<decltype(nj)::value>(q16 + (h0 + j) * D, sp.K8 + i * D, D, q16s + h0 + j, ksc,
+                                              pr + j * L, L);
         });
         continue;
       }
 #endif
       in_fours(G, [&](auto nj, int64_t j) {
-        key_scores<Q8, decltype(nj)::value>(qs + j, Q8 ? nullptr : sp.K + i * D, Q8 ? sp.K8 + i * D : nullptr, nd,
-                                            ksc, pr + j * L, L);
+        key_scores<Q8, decltype(nj)::value>(qs + h0 + j, Q8 ? nullptr : sp.K + i * D, Q8 ? sp.K8 + i * D : nullptr,
+                                            nd, ksc, pr + j * L, L);
       });
     }
   }
-  for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
-  l = 0;
+  for (int64_t h = 0; h < H; ++h) s[h] = exp_row(p.data() + h * L, L, m[h]);
   float pl[64];  // G <= 64 (checked by AttnArgs)
-  for (size_t si = 0; si < kAhead; ++si) prefetch_span<Q8>(spans, si, true, D);
-  for (size_t si = 0; si < ns; ++si) {
-    const Span& sp = spans[si];
-    prefetch_span<Q8>(spans, si + kAhead, true, D);
-    for (int64_t i = 0; i < sp.n; ++i, ++l) {
+  RowPrefetch pv(spans, true, Q8, D);
+  for (const Span& sp : spans) {
+    const int64_t h0 = sp.g * G;
+    v16* a = acc.data() + h0 * nd;
+    for (int64_t i = 0; i < sp.n; ++i) {
+      pv.next();
       const float* vf = Q8 ? nullptr : sp.V + i * D;
       const int8_t* vq = Q8 ? sp.V8 + i * D : nullptr;
       const float vsc = Q8 ? sp.vs[i] : 1.f;
-      for (int64_t j = 0; j < G; ++j) pl[j] = p[j * L + l] * vsc;
+      for (int64_t j = 0; j < G; ++j) pl[j] = p[(h0 + j) * L + sp.l + i] * vsc;
       for (int64_t d = 0; d < nd; ++d) {
         const v16 v = row16<Q8>(vf, vq, d * 16);
-        for (int64_t j = 0; j < G; ++j) acc[j * nd + d] += pl[j] * v;
+        for (int64_t j = 0; j < G; ++j) a[j * nd + d] += pl[j] * v;
       }
     }
   }
-  for (int64_t j = 0; j < G; ++j)
-    for (int64_t d = 0; d < nd; ++d) *reinterpret_cast<v16u*>(outs[j] + d * 16) = acc[j * nd + d];
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < nd; ++d) *reinterpret_cast<v16u*>(out + h * D + d * 16) = acc[h * nd + d];
 }
 
 // the same for any D, one element at a time
-void attend_scalar(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t G, int64_t D, float sc,
-                   float* const* outs, std::vector<float>& p) {
+void attend_scalar(const float* const* qs, const std::vector<Span>& spans, int64_t L, int64_t H, int64_t G,
+                   int64_t D, float sc, float* m, float* s, float* out, std::vector<float>& p) {
   auto elem = [D](const float* f, const int8_t* q, const float* s, int64_t i, int64_t d) {
     return f ? f[i * D + d] : static_cast<float>(q[i * D + d]) * s[i];
   };
-  p.resize(G * L);
-  int64_t l = 0;
+  p.resize(H * L);
   for (const Span& sp : spans)
-    for (int64_t i = 0; i < sp.n; ++i, ++l)
-      for (int64_t j = 0; j < G; ++j) {
+    for (int64_t i = 0; i < sp.n; ++i)
+      for (int64_t h = sp.g * G; h < (sp.g + 1) * G; ++h) {
         float a = 0.f;
-        for (int64_t d = 0; d < D; ++d) a += qs[j][d] * elem(sp.K, sp.K8, sp.ks, i, d);
-        p[j * L + l] = a * sc;
+        for (int64_t d = 0; d < D; ++d) a += qs[h][d] * elem(sp.K, sp.K8, sp.ks, i, d);
+        p[h * L + sp.l + i] = a * sc;
       }
-  for (int64_t j = 0; j < G; ++j) softmax_row(p.data() + j * L, L);
-  for (int64_t j = 0; j < G; ++j) std::fill_n(outs[j], D, 0.f);
-  l = 0;
+  for (int64_t h = 0; h < H; ++h) s[h] = exp_row(p.data() + h * L, L, m[h]);
+  std::fill_n(out, H * D, 0.f);
   for (const Span& sp : spans)
-    for (int64_t i = 0; i < sp.n; ++i, ++l)
-      for (int64_t j = 0; j < G; ++j)
-        for (int64_t d = 0; d < D; ++d) outs[j][d] += p[j * L + l] * elem(sp.V, sp.V8, sp.vs, i, d);
+    for (int64_t i = 0; i < sp.n; ++i)
+      for (int64_t h = sp.g * G; h < (sp.g + 1) * G; ++h)
+        for (int64_t d = 0; d < D; ++d) out[h * D + d] += p[h * L + sp.l + i] * elem(sp.V, sp.V8, sp.vs, i, d);
 }
 
 // What the two attention kernels share: the checks on q [rows, H, D] (last dim contiguous, e.g. the query heads of
@@ -300,20 +322,41 @@ struct AttnArgs {
 // lo_i = max(0, len_i - window) for a sliding window (HF's rule: the query at position p sees keys p - window < j
 // <= p) and 0 without one (window 0). q [n, H, D] (last dim contiguous), paged caches (KvPages); G = H / KV query
 // heads share a KV head, so each key and value row is loaded once for the G of them.
+// A work item is one sequence's rows in a range of positions, all heads (spans_of: whole blocks are read as one
+// run); a sequence's rows are split into ranges (flash-decoding's split) so that a step has about kItemsPerThread
+// items a thread, for small batches and long contexts, then its items' partial results are merged exactly.
+constexpr int64_t kItemsPerThread = 4, kMinItemRows = 256;
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
                             const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   const AttnArgs A(q, kc, vc, table, scale, k_scale, v_scale);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  const int64_t n = A.rows, H = A.H, D = A.D, KV = A.KV, G = A.G;
+  const int64_t n = A.rows, H = A.H, D = A.D, G = A.G;
   auto sl = checked_indices(slots, n, 0, A.kv.slots, "slot");
   auto ln = checked_indices(lens, n, 1, A.kv.MB * A.kv.bs + 1, "length");
   const int64_t* slp = sl.data_ptr<int64_t>();
   const int64_t* lnp = ln.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) A.kv.span(slp[i], lnp[i]);
-  auto out = at::empty({n, H, D}, q.options());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n * KV, 1, [&](int64_t w0, int64_t w1) {
+  auto lo_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, lnp[i] - window) : 0; };
+  // the items: rows [a, b) of sequence i, ranges of R rows (a multiple of 16) aligned to multiples of R
+  int64_t rows = 0;
+  for (int64_t i = 0; i < n; ++i) rows += lnp[i] - lo_of(i);
+  const int64_t want = kItemsPerThread * at::get_num_threads();
+  const int64_t R = (std::max(kMinItemRows, (rows + want - 1) / want) + 15) / 16 * 16;
+  std::vector<std::array<int64_t, 3>> items;
+  std::vector<int64_t> first(n + 1);  // sequence i's items are [first[i], first[i + 1])
+  for (int64_t i = 0; i < n; ++i) {
+    first[i] = static_cast<int64_t>(items.size());
+    for (int64_t a = lo_of(i), b; a < lnp[i]; a = b) {
+      b = std::min(lnp[i], (a / R + 1) * R);
+      items.push_back({i, a, b});
+    }
+  }
+  first[n] = static_cast<int64_t>(items.size());
+  const int64_t ni = first[n];
+  std::vector<float> ms(ni * H), ss(ni * H), part(ni * H * D);  // per item: max, sum and weighted values per head
+  at::parallel_for(0, ni, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> p;
     std::vector<v16> acc;
     std::vector<Span> spans;
@@ -321,30 +364,46 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
     std::vector<int16_t> q16;
     std::vector<float> q16s;
 #endif
-    std::vector<const float*> qs(G);
-    std::vector<float*> outs(G);
+    std::vector<const float*> qs(H);
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / KV, g = w % KV;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, lnp[i] - window) : 0;
-      spans_of(A.kv, slp[i], g, lo, lnp[i], spans);
-      for (int64_t j = 0; j < G; ++j) {
-        qs[j] = A.query(i, g * G + j);
-        outs[j] = op + (i * H + g * G + j) * D;
-      }
+      const auto [i, a, b] = items[w];
+      spans_of(A.kv, slp[i], a, b, spans);
+      for (int64_t h = 0; h < H; ++h) qs[h] = A.query(i, h);
+      float *m = ms.data() + w * H, *s = ss.data() + w * H, *o = part.data() + w * H * D;
       if (D % 16 == 0 && A.kv.q8) {
 #ifdef MEMFIT_I16_DOT
         if (D % kI16Lanes == 0 && D <= 512) {
-          queries_i16(qs.data(), G, D, q16, q16s);
-          attend_vec<true>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc, q16.data(), q16s.data());
+          queries_i16(qs.data(), H, D, q16, q16s);
+          attend_vec<true>(qs.data(), spans, b - a, H, G, D, A.sc, m, s, o, p, acc, q16.data(), q16s.data());
           continue;
         }
 #endif
-        attend_vec<true>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
+        attend_vec<true>(qs.data(), spans, b - a, H, G, D, A.sc, m, s, o, p, acc);
       } else if (D % 16 == 0) {
-        attend_vec<false>(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p, acc);
+        attend_vec<false>(qs.data(), spans, b - a, H, G, D, A.sc, m, s, o, p, acc);
       } else {
-        attend_scalar(qs.data(), spans, lnp[i] - lo, G, D, A.sc, outs.data(), p);
+        attend_scalar(qs.data(), spans, b - a, H, G, D, A.sc, m, s, o, p);
       }
+    }
+  });
+  // merge: out = sum_w e^(m_w - M) o_w / sum_w e^(m_w - M) s_w over the sequence's items, M their largest max
+  auto out = at::empty({n, H, D}, q.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * H, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = r / H, h = r % H;
+      float M = -INFINITY, S = 0.f;
+      for (int64_t w = first[i]; w < first[i + 1]; ++w) M = std::max(M, ms[w * H + h]);
+      float* dst = op + r * D;
+      std::fill_n(dst, D, 0.f);
+      for (int64_t w = first[i]; w < first[i + 1]; ++w) {
+        const float f = std::exp(ms[w * H + h] - M);
+        S += f * ss[w * H + h];
+        const float* src = part.data() + (w * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += f * src[d];
+      }
+      const float inv = 1.f / S;
+      for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
     }
   });
   return out;

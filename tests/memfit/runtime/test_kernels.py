@@ -120,6 +120,34 @@ def test_decode_attention_matches_sdpa(ops, H, KV, D, bs):
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bs", LAYOUTS)
+@pytest.mark.parametrize("window,D", [(0, 64), (600, 64), (0, 24)])
+def test_decode_attention_merges_a_long_sequence_split_into_items(ops, window, D, bs):
+    # items of at least 256 rows: the 700-position sequence is read as 3 ranges (without a window) whose partial
+    # softmaxes are merged, at 2 threads and at 1
+    torch.manual_seed(7)
+    H, KV, B, S = 4, 2, 3, 720
+    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    (kp, vp), table = _paged([kc, vc], bs)
+    q = torch.randn(3, H, D)
+    slots, lens = torch.tensor([2, 0, 1]), torch.tensor([700, 1, 300])
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (2, 1):
+            torch.set_num_threads(t)
+            outs.append(ops.decode_attention(q, kp, vp, table, slots, lens, 0.2, window))
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(3):
+        s, n = int(slots[i]), int(lens[i])
+        mask = _window_mask(torch.tensor([n - 1]), n, window)
+        ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
+                                             attn_mask=mask, scale=0.2, enable_gqa=True)[0, :, 0]
+        for out in outs:
+            torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+
+
 def _window_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     """HF's sliding-window rule: the query at position i sees keys i - window < j <= i (window 0: causal only)."""
     j, i = torch.arange(n_keys)[None, :], q_pos[:, None]
