@@ -125,11 +125,7 @@ def test_decode_attention_matches_sdpa(ops, H, KV, D, bs):
 def test_decode_attention_merges_a_long_sequence_split_into_items(ops, window, D, bs):
     # items of at least 256 rows: the 700-position sequence is read as 3 ranges (without a window) whose partial
     # softmaxes are merged, at 2 threads and at 1
-    torch.manual_seed(7)
-    H, KV, B, S = 4, 2, 3, 720
-    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
-    (kp, vp), table = _paged([kc, vc], bs)
-    q = torch.randn(3, H, D)
+    kc, vc, kp, vp, table, q = _decode_case(7, 3, 720, D, bs)
     slots, lens = torch.tensor([2, 0, 1]), torch.tensor([700, 1, 300])
     threads = torch.get_num_threads()
     try:
@@ -140,10 +136,7 @@ def test_decode_attention_merges_a_long_sequence_split_into_items(ops, window, D
     finally:
         torch.set_num_threads(threads)
     for i in range(3):
-        s, n = int(slots[i]), int(lens[i])
-        mask = _window_mask(torch.tensor([n - 1]), n, window)
-        ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
-                                             attn_mask=mask, scale=0.2, enable_gqa=True)[0, :, 0]
+        ref = _decode_ref(q[i], kc, vc, int(slots[i]), int(lens[i]), window, 0.2)
         for out in outs:
             torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
@@ -154,23 +147,32 @@ def _window_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     return (j <= i) & ((j > i - window) if window else True)
 
 
+def _decode_case(seed: int, B: int, S: int, D: int, bs: int | None):
+    """Logical caches [B, 2 KV heads, S, D], their paged layout (_paged) and B decode queries of 4 heads."""
+    torch.manual_seed(seed)
+    kc, vc = torch.randn(B, 2, S, D), torch.randn(B, 2, S, D)
+    (kp, vp), table = _paged([kc, vc], bs)
+    return kc, vc, kp, vp, table, torch.randn(B, 4, D)
+
+
+def _decode_ref(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: int, n: int, window: int,
+                scale: float) -> torch.Tensor:
+    """SDPA of one decode query q [H, D] at position n - 1 over slot's logical caches [B, KV, S, D] (window 0: all)."""
+    mask = _window_mask(torch.tensor([n - 1]), n, window)
+    return F.scaled_dot_product_attention(q[None, :, None], kc[slot:slot + 1, :, :n], vc[slot:slot + 1, :, :n],
+                                          attn_mask=mask, scale=scale, enable_gqa=True)[0, :, 0]
+
+
 @pytest.mark.parametrize("bs", LAYOUTS)
 @pytest.mark.parametrize("window", [3, 16, 39])
 @pytest.mark.parametrize("D", [32, 24])
 def test_decode_attention_within_a_window_matches_masked_sdpa(ops, window, D, bs):
-    torch.manual_seed(6)
-    H, KV, B, S = 4, 2, 4, 50
-    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
-    (kp, vp), table = _paged([kc, vc], bs)
-    q = torch.randn(4, H, D)
+    kc, vc, kp, vp, table, q = _decode_case(6, 4, 50, D, bs)
     slots, lens = torch.tensor([3, 0, 2, 1]), torch.tensor([1, 50, 17, window])
     out = ops.decode_attention(q, kp, vp, table, slots, lens, 0.3, window)
     for i in range(4):
-        s, n = int(slots[i]), int(lens[i])
-        mask = _window_mask(torch.tensor([n - 1]), n, window)
-        ref = F.scaled_dot_product_attention(q[i][None, :, None], kc[s:s + 1, :, :n], vc[s:s + 1, :, :n],
-                                             attn_mask=mask, scale=0.3, enable_gqa=True)[0, :, 0]
-        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[i], _decode_ref(q[i], kc, vc, int(slots[i]), int(lens[i]), window, 0.3),
+                                   atol=1e-5, rtol=1e-5)
     assert torch.equal(ops.decode_attention(q, kp, vp, table, slots, lens, 0.3, 0),
                        ops.decode_attention(q, kp, vp, table, slots, lens, 0.3))
 
