@@ -158,8 +158,8 @@ inline void panel_kernel_dp(const uint32_t* xb, int64_t K, const uint16_t* P, fl
 
 // ldy: y's row stride (N, or N / 2 with an ACT). xb: x as bf16 pairs where bf16 panels run on vdpbf16ps, else
 // null. The rows go in chunks of at most 8, all the same size (10 rows: 5 + 5, not 8 + 2); every chunk after the
-// first prefetches its share of `next`, the thread's next panel group (null: none; (gate, up) pairs pass none: at
-// 8-32 rows their groups ran 10-14% slower with it).
+// first prefetches its share of `next`, the thread's next panel group (null: none). (gate, up) pairs pass none: a
+// build that prefetched there too ran gate_up (4096 x 640 bf16) 10-14% slower at 8-32 rows.
 template <int NP, int ACT = kNoAct, typename W = float>
 void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const W* P, float* y, int64_t ldy,
                 int64_t p, const float* bias, const float* scale, const float* res, const W* next = nullptr) {
@@ -167,7 +167,6 @@ void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
   const float* bp = bias ? bias + p * 16 : nullptr;
   const float* sp = scale ? scale + p * 16 : nullptr;
   const int64_t chunks = (M + 7) / 8, mr = (M + chunks - 1) / chunks;
-  const bool dp = std::is_same_v<W, uint16_t> && xb;
   const int64_t steps = std::is_same_v<W, uint16_t> ? K / 2 : K;  // k steps of the kernels' loops
   const int64_t share = chunks > 1 && next ? (NP * K * 16 * static_cast<int64_t>(sizeof(W)) + chunks - 2) / (chunks - 1)
                                            : 0;
@@ -181,7 +180,7 @@ void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
     const int64_t rows = std::min(mr, M - m0);
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<W, uint16_t>) {
-      if (dp) {
+      if (xb) {
         const uint32_t* xbr = xb + m0 * (K / 2);
         auto run = [&](auto pf) {
           constexpr bool F = decltype(pf)::value;
