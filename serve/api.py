@@ -248,10 +248,11 @@ def _placement_info(loaded: Loaded, sm: SlotModel | HFCacheModel) -> dict:
 def _warmup(sm: SlotModel | HFCacheModel) -> None:
     import torch
 
+    from memfit.runtime.kv_groups import blocks_for
     from memfit.runtime.slot_model import Segment
 
     if getattr(sm, "paged", False):  # rows 0 and 1 on some blocks (the engine rewrites them before use)
-        sm.assign_blocks(min(2, sm.max_batch), min(-(-10 // sm.block_size), sm.max_blocks_per_seq), wrap=True)
+        sm.assign_blocks(min(2, sm.max_batch), min(blocks_for(10, sm.block_size), sm.max_blocks_per_seq), wrap=True)
     sm.forward(torch.zeros(8, dtype=torch.long), [Segment(0, 0, 8)])
     other = 1 if sm.max_batch > 1 else 0
     sm.forward(torch.zeros(2, dtype=torch.long), [Segment(0, 8, 1), Segment(other, 9 * (1 - other), 1)])

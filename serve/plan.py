@@ -74,10 +74,9 @@ def format_kv(kv: dict, max_batch: int, msl: int) -> str:
               "every layer")
     return (f"paged KV cache (serve on one device): {format_bytes(kv['bytes'])} = {kv['blocks']} blocks of "
             f"{kv['block_size']} tokens in {groups} ({format_bytes(kv['bytes_per_block'])} each, {kv['tokens']} "
-            f"tokens; "
-            f"{kv['how']})\n  sequences of {kv['seq_len']} tokens that fit: {kv['sequences_fit']} (running at once: "
-            f"{kv['running_at_once']}, --max-batch {max_batch}); static slots of --max-seq-len {msl} in the same "
-            f"bytes: {kv['static_slots_same_bytes']}")
+            f"tokens; {kv['how']})\n  sequences of {kv['seq_len']} tokens that fit: {kv['sequences_fit']} (running "
+            f"at once: {kv['running_at_once']}, --max-batch {max_batch}); static slots of --max-seq-len {msl} in the "
+            f"same bytes: {kv['static_slots_same_bytes']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from memfit.runtime.kv_groups import blocks_for
+from memfit.runtime.kv_groups import NULL_BLOCK, blocks_for
 from serve.kv_blocks import BlockPool
 from serve.sequence import Sequence
 
@@ -58,6 +58,11 @@ class StepPlan:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+
+def _held(rows: list[list[int]]) -> int:
+    """The blocks in a sequence's block lists (entries a sliding group dropped, ``NULL_BLOCK``, not counted)."""
+    return sum(b != NULL_BLOCK for row in rows for b in row)
 
 
 class Scheduler:
@@ -109,9 +114,7 @@ class Scheduler:
             if seq.slot is not None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
-            for row in seq.blocks:
-                self.pool.release(row)
-            seq.blocks = []
+            self._release_blocks(seq)
             if seq in self.running:
                 self.running.remove(seq)
             return True
@@ -234,11 +237,11 @@ class Scheduler:
         computed = k * bs
         n = min(budget, s.prefill_len - computed)
         need = blocks_for(computed + n, bs) - k
-        reused_free = sum(1 for row in hit for b in row if b >= 0 and pool.ref[b] == 0)  # leave the free queue
+        reused_free = sum(1 for row in hit for b in row if b != NULL_BLOCK and pool.ref[b] == 0)  # leave the free queue
         if need * len(hit) + reused_free > pool.num_free:
             return None
         if self.running:  # and the rest of its prompt, besides what the running ones will take soon
-            whole = pool.blocks_held(s.prefill_len, self.prefill_chunk) - sum(b >= 0 for row in hit for b in row)
+            whole = pool.blocks_held(s.prefill_len, self.prefill_chunk) - _held(hit)
             if max(whole, need * len(hit)) + reused_free + self._reserved() > pool.num_free:
                 return None
         self.waiting.popleft()
@@ -266,8 +269,7 @@ class Scheduler:
         out = 0
         for r in self.running:
             if r.computed < r.prefill_len:
-                held = sum(b >= 0 for row in r.blocks for b in row)
-                out += max(0, pool.blocks_held(r.prefill_len, self.prefill_chunk) - held)
+                out += max(0, pool.blocks_held(r.prefill_len, self.prefill_chunk) - _held(r.blocks))
             else:
                 out += len(r.blocks)
         return out
@@ -284,13 +286,17 @@ class Scheduler:
             row.extend(new[g * need:(g + 1) * need])
         return True
 
+    def _release_blocks(self, s: Sequence) -> None:
+        """``s`` gives back every block it holds, in every KV group."""
+        for row in s.blocks:
+            self.pool.release(row)
+        s.blocks = []
+
     def _preempt(self, s: Sequence) -> None:
         """Preempt by recompute: ``s`` gives back its slot and blocks and waits at the queue's front; it will
         prefill its prompt and generated tokens again (``prefill_len``) and sample its next token after that."""
         self.running.remove(s)
-        for row in s.blocks:
-            self.pool.release(row)
-        s.blocks = []
+        self._release_blocks(s)
         s.num_registered = 0
         self.free_slots.append(s.slot)
         s.slot = None
