@@ -325,7 +325,10 @@ struct AttnArgs {
 // A work item is one sequence's rows in a range of positions, all heads (spans_of: whole blocks are read as one
 // run); a sequence's rows are split into ranges (flash-decoding's split) so that a step has about kItemsPerThread
 // items a thread, for small batches and long contexts, then its items' partial results are merged exactly.
-constexpr int64_t kItemsPerThread = 4, kMinItemRows = 256;
+// Ranges are kMinItemRows long at least, except where the step has fewer rows than that per thread: then they are
+// a thread's share of them, kMinSplitRows at least (at batch 1, 200 positions were one item and 300 two of 256
+// and 44 rows: one thread read the K/V while the other waited).
+constexpr int64_t kItemsPerThread = 4, kMinItemRows = 256, kMinSplitRows = 64;
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
                             const at::Tensor& slots, const at::Tensor& lens, double scale, int64_t window,
@@ -342,8 +345,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   // the items: rows [a, b) of sequence i, ranges of R rows (a multiple of 16) aligned to multiples of R
   int64_t rows = 0;
   for (int64_t i = 0; i < n; ++i) rows += lnp[i] - lo_of(i);
-  const int64_t want = kItemsPerThread * at::get_num_threads();
-  const int64_t R = (std::max(kMinItemRows, (rows + want - 1) / want) + 15) / 16 * 16;
+  const int64_t threads = at::get_num_threads(), want = kItemsPerThread * threads;
+  const int64_t least = std::min(kMinItemRows, std::max(kMinSplitRows, (rows + threads - 1) / threads));
+  const int64_t R = (std::max(least, (rows + want - 1) / want) + 15) / 16 * 16;
   std::vector<std::array<int64_t, 3>> items;
   std::vector<int64_t> first(n + 1);  // sequence i's items are [first[i], first[i + 1])
   for (int64_t i = 0; i < n; ++i) {

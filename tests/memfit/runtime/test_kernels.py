@@ -141,6 +141,22 @@ def test_decode_attention_merges_a_long_sequence_split_into_items(ops, window, D
             torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_decode_attention_splits_a_short_sequence_alone_between_the_threads(ops, window):
+    # fewer rows than 256 a thread: a sequence of 150 is split in the threads' shares (80 and 70 rows; its window of
+    # 100 in ranges of 64 aligned to multiples of 64: 14, 64, 22), not read by one thread while the other waits;
+    # at 40 rows it stays one item
+    kc, vc, kp, vp, table, q = _decode_case(8, 1, 160, 64, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for n in (150, 40):
+            out = ops.decode_attention(q, kp, vp, table, torch.tensor([0]), torch.tensor([n]), 0.2, window)
+            torch.testing.assert_close(out[0], _decode_ref(q[0], kc, vc, 0, n, window, 0.2), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _window_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     """HF's sliding-window rule: the query at position i sees keys i - window < j <= i (window 0: causal only)."""
     j, i = torch.arange(n_keys)[None, :], q_pos[:, None]
