@@ -72,22 +72,74 @@ class SamplerState:
         x = torch.nan_to_num(self.process(logits), nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
         if p.temperature < 1e-5 or not torch.isfinite(x.max()):
             return int(torch.argmax(x))
-        x = (x - x.max()) / p.temperature
+        x = x.sub_(x.max()).div_(p.temperature)  # in place: nan_to_num made x a copy
+        ids = None  # the candidates' token ids (None: every token, in order)
         if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
+            x, ids = torch.topk(x, p.top_k)
+        # unnormalized (the largest is 1): min_p compares with the largest, top_p and the draw with the total
+        probs = x.exp_()
         if p.min_p > 0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sp, dim=-1)
-            drop = (cum - sp) > p.top_p * cum[-1]  # keep the smallest prefix reaching top_p (at least one)
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, si, sp)
-        if not torch.isfinite(probs).all() or float(probs.sum()) <= 0:
-            return int(torch.argmax(x))
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            probs, order = _top_p(probs, p.top_p)
+            ids = order if ids is None else ids[order]
+        i = _draw(probs, self.generator)
+        if i is None:  # no mass left (cannot happen after the max was finite; kept as the old guard)
+            return int(torch.argmax(logits))
+        return i if ids is None else int(ids[i])
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely entries of ``probs`` whose mass before each is at most ``top_p`` of the total (the
+    smallest prefix reaching it; at least one): their probs, descending, and their positions in ``probs``.
+
+    Why a growing top-k and not a sort: sorting Gemma 3's 262,144 probabilities took 21 ms a token (a whole
+    decode step is ~12 ms), and the prefix is almost always within the first few hundred entries."""
+    total = float(probs.sum()) * top_p
+    n = probs.numel()
+    k = min(n, 256)
+    while True:
+        sp, si = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
+        before = torch.cumsum(sp, 0, dtype=torch.float64) - sp.double()
+        # the (k+1)-th entry's mass before it is the top k's sum: past the total, the prefix is within these k
+        if k == n or float(before[-1] + sp[-1]) > total:
+            break
+        k = min(n, k * 8)
+    keep = max(1, int((before <= total).sum()))
+    return sp[:keep], si[:keep]
+
+
+DRAW_BLOCK = 1024  # _draw's block: a sum per block, then one block's running sum
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
+    """Index i with probability probs[i] / probs.sum() (probs >= 0, 1-D), or None when they sum to 0: one
+    uniform against the running sum, found by block sums first, then within the block (float64 running sums).
+
+    Why: torch.multinomial draws an exponential per entry (5.5 ms over Gemma 3's 262,144 tokens, most of a
+    decode step), and a running sum over all of them allocated and scanned 2 MiB a token (0.3-1.3 ms)."""
+    n = probs.numel()
+    full = n - n % DRAW_BLOCK
+    sums = probs[:full].view(-1, DRAW_BLOCK).sum(1)
+    if full < n:
+        sums = torch.cat([sums, probs[full:].sum().view(1)])
+    cum = torch.cumsum(sums, 0, dtype=torch.float64)
+    total = float(cum[-1])
+    if not 0 < total < float("inf"):
+        return None
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+    j = int(torch.searchsorted(cum, torch.tensor([u], dtype=torch.float64), right=True))
+    if j >= sums.numel():  # u rounded up to the total: the last block with mass
+        j = int(torch.nonzero(sums).max())
+        u = float(sums[j]) * 0.5
+    elif j:
+        u -= float(cum[j - 1])
+    block = probs[j * DRAW_BLOCK:(j + 1) * DRAW_BLOCK]
+    inner = torch.cumsum(block, 0, dtype=torch.float64)
+    i = int(torch.searchsorted(inner, torch.tensor([u], dtype=torch.float64), right=True))
+    if i >= block.numel():  # rounding again: the block's last entry with mass
+        i = int(torch.nonzero(block).max())
+    return j * DRAW_BLOCK + i
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
