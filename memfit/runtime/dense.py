@@ -168,7 +168,7 @@ class PanelLinear(nn.Module):
         if w.dtype.is_floating_point:  # bias and activations are fp32 whatever the weight's storage
             dtype = torch.bfloat16 if bf16 and self.in_features % 2 == 0 else torch.float32
             b = None if b is None else b.float()
-        self.ops, self.pairs = ops, pairs
+        self.ops, self.pairs, self.bf16_dot = ops, pairs, False  # bf16_dot: int8 rows on vdpbf16ps (bf16 mode)
         if drop_maps is not None and not pairs and self.out_features % 16 == 0:
             self.register_buffer("packed", _pack_in_blocks(ops, w, dtype, drop_maps), persistent=False)
             self.bias = None if b is None else nn.Parameter(b.contiguous(), requires_grad=False)
@@ -192,14 +192,14 @@ class PanelLinear(nn.Module):
         self.register_buffer("scale", None if scale is None else scale.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.linear_panels(x, self.packed, self.bias, False, self.scale)
+        y = self.ops.linear_panels(x, self.packed, self.bias, False, self.scale, bf16_dot=self.bf16_dot)
         if self.pairs:
             return y.view(*y.shape[:-1], -1, 2, 16).transpose(-3, -2).reshape(y.shape)
         return y if y.shape[-1] == self.out_features else y[..., :self.out_features].contiguous()
 
     def act_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
         """``act(gate) * up`` of a ``pairs`` projection, ``act`` one of linear.ACTS."""
-        return self.ops.linear_panels(x, self.packed, self.bias, ACTS[act], self.scale)
+        return self.ops.linear_panels(x, self.packed, self.bias, ACTS[act], self.scale, bf16_dot=self.bf16_dot)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.act_mul(x, "silu")

@@ -45,7 +45,7 @@ from memfit.errors import UserError
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "layer_ops.cpp", CSRC / "attention.cpp", CSRC / "linear.cpp", CSRC / "int4.cpp",
-           CSRC / "stack.cpp", CSRC / "quant_search.cpp")
+           CSRC / "stack.cpp", CSRC / "quant_search.cpp", CSRC / "cpu_peak.cpp")
 
 
 def extension_name() -> str:

@@ -154,7 +154,8 @@ inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, in
   return r;
 }
 
-// rows from which bf16 panels and int4's bf16_dot tiles take vdpbf16ps (x rounded to bf16) instead of fp32 FMAs
+// rows from which bf16 panels, int8 panels in bf16 mode (bf16_dot) and int4's bf16_dot tiles take vdpbf16ps (x
+// rounded to bf16) instead of fp32 FMAs
 constexpr int64_t kDpbf16MinRows = 8;
 
 // layer_ops.cpp
@@ -183,7 +184,7 @@ bool has_avx512_bf16();
 double peak_gflops(bool bf16, int64_t iters);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
                          int64_t act, const c10::optional<at::Tensor>& scale,
-                         const c10::optional<at::Tensor>& residual);
+                         const c10::optional<at::Tensor>& residual, bool bf16_dot = false);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
                        int64_t group_size, int64_t block, int64_t act, bool bf16_dot = false);
 

@@ -117,7 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_panels", &memfit::linear_panels,
         "x @ W^T (+ bias) on a pack_panels weight (fp32 x and y); act 1 / 2: silu / gelu_tanh(gate) * up of panel "
         "pairs", py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("act") = 0,
-        py::arg("scale") = py::none(), py::arg("residual") = py::none());
+        py::arg("scale") = py::none(), py::arg("residual") = py::none(), py::arg("bf16_dot") = false);
   m.def("rms_norm", &memfit::rms_norm, "fused RMSNorm over the last dim (fp32)");
   m.def("rope_store", &memfit::rope_store,
         "in-place RoPE on q/k heads (after their optional per-head RMSNorms), then k/v into the paged caches (fp32)",

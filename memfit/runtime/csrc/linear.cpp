@@ -1,8 +1,6 @@
 // fp32, bf16 and int8 Linears on the panel layout for small and large row counts (memfit.runtime.dense.PanelLinear).
 #include <immintrin.h>
 
-#include <chrono>
-
 #include "common.h"
 
 namespace memfit {
@@ -132,7 +130,7 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
 // one vdpbf16ps (products exact, sums in fp32): half the instructions of the fp32 FMA loop above
 template <int MR, int NP, int ACT, bool PF = false>
 inline void panel_kernel_dp(const uint32_t* xb, int64_t K, const uint16_t* P, float* y, int64_t ldy,
-                            const float* bias, const float* res, const Ahead& ahead) {
+                            const float* bias, const float* scale, const float* res, const Ahead& ahead) {
   const int64_t K2 = K / 2;
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
@@ -152,7 +150,24 @@ inline void panel_kernel_dp(const uint32_t* xb, int64_t K, const uint16_t* P, fl
   }
   v16 out[MR][NP];
   std::memcpy(out, acc, sizeof(out));
-  panel_store<MR, NP, ACT>(out, y, ldy, bias, nullptr, res);
+  panel_store<MR, NP, ACT>(out, y, ldy, bias, scale, res);
+}
+
+// NP int8 panels ([K][16] each) as bf16 k pairs ([K / 2][16][2] each), exactly: |q| <= 127 has 7 significant
+// bits, so its fp32 value's low half is zero. Each 32-bit lane holds the even k in its low half, the odd k high.
+template <int NP>
+inline void int8_panels_as_bf16(const int8_t* P, int64_t K, uint16_t* tile) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < NP; ++j)
+    for (int64_t kp = 0; kp < K / 2; ++kp) {
+      const int8_t* src = P + (j * K + 2 * kp) * 16;
+      const __m512i e = _mm512_castps_si512(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+      const __m512i o = _mm512_castps_si512(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))));
+      _mm512_store_si512(tile + (j * (K / 2) + kp) * 32, _mm512_or_si512(_mm512_srli_epi32(e, 16),
+                                                                           _mm512_and_si512(o, high)));
+    }
 }
 #endif
 
@@ -185,14 +200,14 @@ void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
         auto run = [&](auto pf) {
           constexpr bool F = decltype(pf)::value;
           switch (rows) {
-            case 1: return panel_kernel_dp<1, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            case 2: return panel_kernel_dp<2, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            case 3: return panel_kernel_dp<3, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            case 4: return panel_kernel_dp<4, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            case 5: return panel_kernel_dp<5, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            case 6: return panel_kernel_dp<6, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            case 7: return panel_kernel_dp<7, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
-            default: return panel_kernel_dp<8, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, rr, ahead);
+            case 1: return panel_kernel_dp<1, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            case 2: return panel_kernel_dp<2, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            case 3: return panel_kernel_dp<3, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            case 4: return panel_kernel_dp<4, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            case 5: return panel_kernel_dp<5, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            case 6: return panel_kernel_dp<6, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            case 7: return panel_kernel_dp<7, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
+            default: return panel_kernel_dp<8, NP, ACT, F>(xbr, K, pp, yr, ldy, bp, sp, rr, ahead);
           }
         };
         if (ACT == kNoAct && ahead.p) run(std::integral_constant<bool, ACT == kNoAct>{});
@@ -219,11 +234,46 @@ void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
   }
 }
 
+#ifdef __AVX512BF16__
+// int8 panels at many rows (xb: x as bf16 pairs) on vdpbf16ps: panels p .. p + NP - 1 widened to a bf16 tile once,
+// then the bf16 kernel over every row of x, the scale applied in its store. Half the instructions of widening
+// each k's 16 weights to fp32 for every chunk of 8 rows (the int8 prefill ran at the fp32 FMA rate before).
+template <int NP, int ACT>
+void int8_panels_dp(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const int8_t* pp, int64_t p, float* yp,
+                    int64_t ldy, const float* bp, const float* sp, const float* rp, uint16_t* tile) {
+  int8_panels_as_bf16<NP>(pp + p * K * 16, K, tile);
+  const int64_t col = p * (ACT != kNoAct ? 8 : 16);  // panel_rows' own offsets are 0 (its p): the tile is panel 0
+  panel_rows<NP, ACT, uint16_t>(xp, xb, M, K, tile, yp + col, ldy, 0, bp ? bp + p * 16 : nullptr, sp + p * 16,
+                                rp ? rp + col : nullptr);
+}
+
+// a thread's tile for int8_panels_dp: two bf16 panels, 64-byte aligned
+struct Int8Tile {
+  std::vector<uint16_t> buf;
+  uint16_t* p;
+  explicit Int8Tile(int64_t K) : buf(2 * K * 16 + 32) {
+    p = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  }
+};
+#endif
+
 // y = act(gate) * up over (gate, up) panel pairs: whole pairs per thread and per kernel call
 template <int ACT, typename W>
 void run_panel_pairs(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const W* pp, float* yp,
                      int64_t NPAN, const float* bp, const float* sp) {
   const int64_t N = NPAN * 16;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (xb) {
+      at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
+        Int8Tile tile(K);
+        for (int64_t q = q0; q < q1; ++q)
+          int8_panels_dp<2, ACT>(xp, xb, M, K, pp, 2 * q, yp, N / 2, bp, sp, nullptr, tile.p);
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
     int64_t q = q0;
     if (M <= 2)
@@ -241,6 +291,19 @@ void run_panels(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const
   // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
   // 32 vector registers at 8 rows
   const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (xb) {
+      at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
+        Int8Tile tile(K);
+        int64_t p = p0;
+        for (; p + 2 <= p1; p += 2) int8_panels_dp<2, kNoAct>(xp, xb, M, K, pp, p, yp, N, bp, sp, rp, tile.p);
+        for (; p < p1; ++p) int8_panels_dp<1, kNoAct>(xp, xb, M, K, pp, p, yp, N, bp, sp, rp, tile.p);
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, NPAN, 4, [&](int64_t p0, int64_t p1) {
     int64_t p = p0;
     for (; p + np <= p1; p += np) {
@@ -254,57 +317,6 @@ void run_panels(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const
 }
 
 
-bool has_avx512_bf16() {
-#ifdef __AVX512BF16__
-  return true;
-#else
-  return false;
-#endif
-}
-
-// The CPU's peak GFLOPS for fp32 FMAs (bf16 = false) or vdpbf16ps (bf16 = true) on all threads: a loop on
-// registers only (16 independent accumulators, no memory), the ceiling the GEMMs above are measured against.
-double peak_gflops(bool bf16, int64_t iters) {
-  TORCH_CHECK(!bf16 || has_avx512_bf16(), "peak_gflops: these kernels have no AVX512-BF16");
-  const int64_t threads = at::get_num_threads();
-  std::vector<float> sink(threads * 16);
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      v16 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = v16{} + 1e-3f * i;
-      v16 a = v16{} + 0.9999f, c = v16{} + 1e-4f;  // converges: no overflow
-#ifdef __AVX512BF16__
-      if (bf16) {
-        __m512 A[16];
-        std::memcpy(A, acc, sizeof(A));
-        __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f);
-        for (int64_t it = 0; it < iters; ++it)
-          for (int i = 0; i < 16; ++i) {
-            A[i] = _mm512_dpbf16_ps(A[i], x, y);
-            asm volatile("" : "+v"(A[i]));  // keep every instruction
-          }
-        std::memcpy(acc, A, sizeof(A));
-      } else
-#endif
-        for (int64_t it = 0; it < iters; ++it)
-          for (int i = 0; i < 16; ++i) {
-            acc[i] = acc[i] * a + c;
-#ifdef __AVX512F__  // a register operand: one zmm holds a v16 (AVX2 has none that does; its FMA chains stay anyway)
-            asm volatile("" : "+v"(acc[i]));
-#endif
-          }
-      v16 sum = v16{};
-      for (int i = 0; i < 16; ++i) sum += acc[i];
-      std::memcpy(&sink[t * 16], &sum, 64);
-    }
-  });
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // per instruction and lane: one FMA (2 flops) in fp32, two multiply-adds (4 flops) in vdpbf16ps
-  return static_cast<double>(threads) * iters * 16 * 16 * (bf16 ? 4 : 2) / s / 1e9 +
-         (sink[0] == 1234.5f ? 1e-9 : 0.0);  // the sums are used
-}
-
 // y = x @ W^T (+ bias) for x [..., K] and W packed by pack_panels; with an act (Act: kSilu, kGeluTanh), W's panels
 // are (gate, up) pairs and y = act(gate) * up has half the columns (the MLP's activation fused into its gate/up
 // projection).
@@ -313,7 +325,7 @@ double peak_gflops(bool bf16, int64_t iters) {
 // in a 256-row prefill step each re-read two [rows, hidden] tensors long out of L2 (py-spy: ~4% of the step).
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
                          int64_t act, const c10::optional<at::Tensor>& scale,
-                         const c10::optional<at::Tensor>& residual) {
+                         const c10::optional<at::Tensor>& residual, bool bf16_dot) {
   check_f32_cpu(x_in, "x");
   TORCH_CHECK(act == kNoAct || act == kSilu || act == kGeluTanh, "unknown activation ", act);
   const bool pairs = act != kNoAct;
@@ -355,7 +367,10 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
   const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (int8) {
-    run_panels<int8_t>(xp, nullptr, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), act, rp);
+    at::Tensor xb;  // bf16_dot (the engine's bf16 mode): x rounded to bf16 where int8 panels run on vdpbf16ps
+    if (bf16_dot && has_avx512_bf16() && M >= kDpbf16MinRows && K % 2 == 0) xb = x.to(at::kBFloat16);
+    const uint32_t* xbp = xb.defined() ? reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
+    run_panels<int8_t>(xp, xbp, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), act, rp);
   } else if (bf16) {
     at::Tensor xb;  // x rounded to bf16 (nearest even) once per call, read as k pairs, where vdpbf16ps runs
     if (has_avx512_bf16() && M >= kDpbf16MinRows) xb = x.to(at::kBFloat16);

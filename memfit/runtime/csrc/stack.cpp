@@ -22,7 +22,7 @@ at::Tensor run_linear(const LinearSpec& l, const at::Tensor& x, const at::Tensor
     case kPanelSiluPairs:
     case kPanelGeluPairs: {
       const int64_t act = l.kind == kPanel ? kNoAct : (l.kind == kPanelSiluPairs ? kSilu : kGeluTanh);
-      return linear_panels(x, l.a, opt(l.b), act, opt(l.c), opt(residual));
+      return linear_panels(x, l.a, opt(l.b), act, opt(l.c), opt(residual), l.bf16_dot);
     }
     case kInt4: {
       auto y = int4_linear(x, l.a, l.b, l.group, l.block, kNoAct, l.bf16_dot);

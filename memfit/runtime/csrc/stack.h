@@ -24,7 +24,7 @@ struct LinearSpec {
   int64_t kind;
   at::Tensor a, b, c;
   int64_t group, block;
-  bool bf16_dot;  // int4: x and weights rounded to bf16 for vdpbf16ps at prefill sizes (int4_linear)
+  bool bf16_dot;  // int4 and int8: x and weights rounded to bf16 for vdpbf16ps at prefill sizes
 };
 
 // a layer's norms, by slot: the input norm; after attention (Llama: the MLP's input norm; Gemma: the norm of

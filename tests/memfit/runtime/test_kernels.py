@@ -376,6 +376,31 @@ def test_linear_panels_int8_weights(ops):
         ops.linear_panels(x, packed)
 
 
+@pytest.mark.parametrize("k", [24, 640, 25])
+def test_linear_panels_int8_weights_in_bf16_mode(ops, k):
+    """bf16_dot: from 8 rows, where the CPU has AVX512-BF16, int8 panels run on vdpbf16ps as exact bf16 codes with
+    x rounded to bf16 (the scale in the store); below 8 rows, without the CPU, or with an odd K: the fp32 path."""
+    torch.manual_seed(7)
+    n = 48
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale, b = torch.rand(n) * 0.01, torch.randn(n)
+    w = codes.float() * scale[:, None]
+    packed = ops.pack_panels(codes)
+    pairs = ops.pack_panels(torch.cat([codes[:16], codes[16:32]]))  # one (gate, up) panel pair
+    ps = torch.cat([scale[:16], scale[16:32]])
+    for rows in (1, 7, 8, 9, 33, 64):
+        x = torch.randn(rows, k)
+        xr = x.bfloat16().float() if ops.has_avx512_bf16() and rows >= 8 and k % 2 == 0 else x
+        r = torch.randn(rows, n)
+        got = ops.linear_panels(x, packed, b, 0, scale, r, bf16_dot=True)
+        torch.testing.assert_close(got, F.linear(xr, w, b) + r, atol=1e-5 * k, rtol=1e-4)
+        torch.testing.assert_close(ops.linear_panels(x, packed, b, 0, scale), F.linear(x, w, b), atol=1e-5 * k,
+                                   rtol=1e-5)
+        want = F.silu(F.linear(xr, w[:16])) * F.linear(xr, w[16:32])
+        torch.testing.assert_close(ops.linear_panels(x, pairs, None, 1, ps, bf16_dot=True), want, atol=1e-4 * k,
+                                   rtol=1e-3)
+
+
 @pytest.mark.parametrize("n,k", [(16, 8), (48, 100), (1536, 512)])
 def test_linear_panels_bf16_weights(ops, n, k):
     """bf16 panels equal F.linear on the bf16-rounded weight: with fp32 x below 8 rows, and with x rounded to
