@@ -72,7 +72,7 @@ class SamplerState:
         x = torch.nan_to_num(self.process(logits), nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
         if p.temperature < 1e-5 or not torch.isfinite(x.max()):
             return int(torch.argmax(x))
-        x = x.sub_(x.max()).div_(p.temperature)  # in place: nan_to_num made x a copy
+        x = full = x.sub_(x.max()).div_(p.temperature)  # in place: nan_to_num made x a copy
         ids = None  # the candidates' token ids (None: every token, in order)
         if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
             x, ids = torch.topk(x, p.top_k)
@@ -84,8 +84,8 @@ class SamplerState:
             probs, order = _top_p(probs, p.top_p)
             ids = order if ids is None else ids[order]
         i = _draw(probs, self.generator)
-        if i is None:  # no mass left (cannot happen after the max was finite; kept as the old guard)
-            return int(torch.argmax(logits))
+        if i is None:  # no mass left (not after a finite max: the largest is 1; kept as a guard)
+            return int(torch.argmax(full))
         return i if ids is None else int(ids[i])
 
 
@@ -93,8 +93,9 @@ def _top_p(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tenso
     """The most likely entries of ``probs`` whose mass before each is at most ``top_p`` of the total (the
     smallest prefix reaching it; at least one): their probs, descending, and their positions in ``probs``.
 
-    Why a growing top-k and not a sort: sorting Gemma 3's 262,144 probabilities took 21 ms a token (a whole
-    decode step is ~12 ms), and the prefix is almost always within the first few hundred entries."""
+    Why a growing top-k and not a sort: sorting Gemma 3's 262,144 probabilities took 21 ms a token (its 4-bit
+    decode step takes ~11), and the prefix is usually far shorter than the vocabulary (bench/sampling.py on
+    Gemma's own logits, temperature 0.8, top-p 0.95: 0.88 ms a token, 27.7 with the sort and torch.multinomial)."""
     total = float(probs.sum()) * top_p
     n = probs.numel()
     k = min(n, 256)
