@@ -70,9 +70,10 @@ class SamplerState:
     def sample(self, logits: torch.Tensor) -> int:
         p = self.p
         x = torch.nan_to_num(self.process(logits), nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
-        if p.temperature < 1e-5 or not torch.isfinite(x.max()):
+        top = x.max()
+        if p.temperature < 1e-5 or not torch.isfinite(top):
             return int(torch.argmax(x))
-        x = full = x.sub_(x.max()).div_(p.temperature)  # in place: nan_to_num made x a copy
+        x = full = x.sub_(top).div_(p.temperature)  # in place: nan_to_num made x a copy
         ids = None  # the candidates' token ids (None: every token, in order)
         if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
             x, ids = torch.topk(x, p.top_k)
