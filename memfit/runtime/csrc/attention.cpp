@@ -10,17 +10,6 @@ namespace memfit {
 
 namespace {
 
-// the sum of 16 lanes as a tree of halves (4 dependent adds, not 15: a decode key row's G dot products each end in
-// one, and the serial chain was the K loop's bottleneck)
-inline float hsum(v16 v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
 // exp(p[l] - max) in place over p[0, L), 16 at a time (the tail in a padded vector); returns the sum, the max in m
 inline float exp_row(float* p, int64_t L, float& m) {
   m = p[0];
@@ -82,13 +71,11 @@ void spans_of(const KvPages& kv, int64_t slot, int64_t lo, int64_t hi, std::vect
   }
 }
 
-typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));  // 16 int8 lanes, unaligned
-
 // 16 values of a row from d (fp32, or int8 widened: its scale is applied per row by the caller)
 template <bool Q8>
 inline v16 row16(const float* f, const int8_t* q, int64_t d) {
   if constexpr (Q8)
-    return __builtin_convertvector(*reinterpret_cast<const v16i8*>(q + d), v16);
+    return i8_to_f32(q + d);
   else
     return *reinterpret_cast<const v16u*>(f + d);
 }
@@ -430,6 +417,11 @@ constexpr int64_t kMaxKeys = 1024;  // past ~1k keys aten's flash kernel was as 
 
 // dst[i][lb, lb + 32) = sc * (q_i . K[l]) for Q query vectors and 32 keys, given as two blocks of 16 transposed
 // ([D][16] each): per d, two key vectors loaded and each q_i[d] broadcast for two FMAs (a 2 x Q register tile)
+#ifdef __AVX512F__
+constexpr int64_t kScoreRows = 8;  // score_block's Q: 2 x 8 accumulators of the 32 zmm
+#else
+constexpr int64_t kScoreRows = 2;  // 2 x 2 v16, 8 of AVX2's 16 ymm
+#endif
 template <int Q>
 inline void score_block(const float* const* qs, const float* KT, int64_t D, float sc, float* const* dst,
                         int64_t lb) {
@@ -453,19 +445,24 @@ inline void score_block(const float* const* qs, const float* KT, int64_t D, floa
 // outs[j] = sum_l ps[j][l] * V[l] for nq (a multiple of 16 / ND) probability rows; D = 16 * ND
 template <int ND>
 void weigh_values(const float* const* ps, int64_t nq, const float* V, int64_t L, float* const* outs) {
-  constexpr int Q = 16 / ND;
-  for (int64_t j0 = 0; j0 < nq; j0 += Q) {
-    v16 acc[Q][ND] = {};
-    for (int64_t l = 0; l < L; ++l) {
-      const v16u* vr = reinterpret_cast<const v16u*>(V + l * ND * 16);
-      for (int i = 0; i < Q; ++i) {
-        const float p = ps[j0 + i][l];
-        for (int d = 0; d < ND; ++d) acc[i][d] += p * vr[d];
+#ifdef __AVX512F__
+  constexpr int Q = 16 / ND, DB = ND;  // Q rows x DB vectors of D per pass: 16 of the 32 zmm
+#else
+  constexpr int DB = ND < 4 ? ND : 4, Q = ND < 4 ? 4 / ND : 1;  // 4 v16, 8 of AVX2's 16 ymm
+#endif
+  for (int64_t j0 = 0; j0 < nq; j0 += Q)
+    for (int d0 = 0; d0 < ND; d0 += DB) {
+      v16 acc[Q][DB] = {};
+      for (int64_t l = 0; l < L; ++l) {
+        const v16u* vr = reinterpret_cast<const v16u*>(V + l * ND * 16) + d0;
+        for (int i = 0; i < Q; ++i) {
+          const float p = ps[j0 + i][l];
+          for (int d = 0; d < DB; ++d) acc[i][d] += p * vr[d];
+        }
       }
+      for (int i = 0; i < Q; ++i)
+        for (int d = 0; d < DB; ++d) *reinterpret_cast<v16u*>(outs[j0 + i] + (d0 + d) * 16) = acc[i][d];
     }
-    for (int i = 0; i < Q; ++i)
-      for (int d = 0; d < ND; ++d) *reinterpret_cast<v16u*>(outs[j0 + i] + d * 16) = acc[i][d];
-  }
 }
 
 void weigh_values_any(const float* const* ps, int64_t nq, const float* V, int64_t L, int64_t D, float* const* outs) {
@@ -583,8 +580,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
         lens[j] = real ? start + r + 1 - k0 - lb0 : 0;
       }
       for (int64_t lb = lb0; lb < L; lb += 32)
-        for (int64_t j = 0; j < nq_pad; j += 8)
-          score_block<8>(qs.data() + j, KT + lb * D, D, A.sc, rows.data() + j, lb - lb0);
+        for (int64_t j = 0; j < nq_pad; j += kScoreRows)
+          score_block<kScoreRows>(qs.data() + j, KT + lb * D, D, A.sc, rows.data() + j, lb - lb0);
       for (int64_t j = 0; j < nq_pad; ++j) {  // exact zeros outside the row's keys
         if (lens[j] > 0) softmax_row(rows[j] + from[j], lens[j] - from[j]);
         std::fill(rows[j], rows[j] + from[j], 0.f);

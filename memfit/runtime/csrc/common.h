@@ -13,21 +13,15 @@
 #include <type_traits>
 #include <vector>
 
-namespace memfit {
+#include "vec16.h"
 
-// 16 floats (or int32) as one vector: one AVX-512 register, two AVX2 ones (GCC's generic vectors)
-typedef float v16 __attribute__((vector_size(64), aligned(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(64)));
-typedef uint32_t vu16 __attribute__((vector_size(64), aligned(64)));
+namespace memfit {
 
 // exp(x) for 16 floats (Cephes' expf: 2^n times a degree-6 polynomial, ~1 ulp); GCC's std::exp stayed scalar
 inline v16 vexp(v16 x) {
-  x = x < 88.37f ? x : 88.37f;
-  x = x > -87.33f ? x : -87.33f;
+  x = vmax(vmin(x, 88.37f), -87.33f);
   v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
-  n = n > fx ? n - 1.f : n;  // floor
+  const v16 n = vfloor_from_trunc(to_f32(to_i32(fx)), fx);
   const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
   v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -35,10 +29,7 @@ inline v16 vexp(v16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &e, 64);
-  return p * two_n;
+  return p * bits_f32((to_i32(n) + 127) << 23);  // 2^n
 }
 
 // A gated MLP's activation, applied in a Linear's epilogue to (gate, up) pairs: y = act(gate) * up

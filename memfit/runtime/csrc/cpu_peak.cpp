@@ -17,8 +17,14 @@ bool has_avx512_bf16() {
 }
 
 // The CPU's peak GFLOPS for fp32 FMAs (bf16 = false) or vdpbf16ps (bf16 = true) on all threads: a loop on
-// registers only (16 independent accumulators, no memory), the ceiling the panel GEMMs are measured against.
+// registers only (independent accumulators filling the vector registers, no memory), the ceiling the panel GEMMs
+// are measured against.
 double peak_gflops(bool bf16, int64_t iters) {
+#ifdef __AVX512F__
+  constexpr int kFmaAcc = 16;  // of 32 zmm registers
+#else
+  constexpr int kFmaAcc = 6;  // two ymm each, of 16 (12 independent FMA chains: 2 FMA units x latency 4 need 8)
+#endif
   TORCH_CHECK(!bf16 || has_avx512_bf16(), "peak_gflops: these kernels have no AVX512-BF16");
   const int64_t threads = at::get_num_threads();
   std::vector<float> sink(threads * 16);
@@ -42,10 +48,12 @@ double peak_gflops(bool bf16, int64_t iters) {
       } else
 #endif
         for (int64_t it = 0; it < iters; ++it)
-          for (int i = 0; i < 16; ++i) {
+          for (int i = 0; i < kFmaAcc; ++i) {
             acc[i] = acc[i] * a + c;
-#ifdef __AVX512F__  // a register operand: one zmm holds a v16 (AVX2 has none that does; its FMA chains stay anyway)
+#ifdef __AVX512F__  // keep every instruction
             asm volatile("" : "+v"(acc[i]));
+#else
+            asm volatile("" : "+x"(acc[i].lo), "+x"(acc[i].hi));
 #endif
           }
       v16 sum = v16{};
@@ -55,7 +63,7 @@ double peak_gflops(bool bf16, int64_t iters) {
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // per instruction and lane: one FMA (2 flops) in fp32, two multiply-adds (4 flops) in vdpbf16ps
-  return static_cast<double>(threads) * iters * 16 * 16 * (bf16 ? 4 : 2) / s / 1e9 +
+  return static_cast<double>(threads) * iters * (bf16 ? 16 : kFmaAcc) * 16 * (bf16 ? 4 : 2) / s / 1e9 +
          (sink[0] == 1234.5f ? 1e-9 : 0.0);  // the sums are used
 }
 

@@ -14,19 +14,17 @@ namespace memfit {
 // that stays in L1/L2 while every row of x is multiplied with it.
 // the low and high nibbles of 16 bytes as two vectors of 16 floats
 inline void nibbles_to_float(const uint8_t* p, v16& lo, v16& hi) {
-#ifdef __AVX512F__
   // GCC's generic vectors left the byte shift and widening scalar (5x slower than aten's kernel)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(15);
-  const __m512 l = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
-  const __m512 h = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
-  std::memcpy(&lo, &l, 64);
-  std::memcpy(&hi, &h, 64);
+  const __m128i l = _mm_and_si128(b, mask), h = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+#ifdef __AVX512F__
+  const __m512 fl = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l)), fh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h));
+  std::memcpy(&lo, &fl, 64);
+  std::memcpy(&hi, &fh, 64);
 #else
-  for (int i = 0; i < 16; ++i) {
-    lo[i] = static_cast<float>(p[i] & 15);
-    hi[i] = static_cast<float>(p[i] >> 4);
-  }
+  lo = {(f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l)), (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)))};
+  hi = {(f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h)), (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)))};
 #endif
 }
 
@@ -56,6 +54,14 @@ inline void int4_rows(const float* xg, int64_t K, const float* tile, int64_t gs,
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < VN; ++v) *reinterpret_cast<v16u*>(y + m * N + (V0 + v) * 16) = acc[m][v];
+}
+
+// int4_rows over the tile's B / 16 output vectors one at a time, from vector V0
+template <int B, int MR, int V0 = 0>
+inline void int4_rows_each(const float* xg, int64_t K, const float* tile, int64_t gs, float* y, int64_t N,
+                           bool first) {
+  int4_rows<B, MR, V0, 1>(xg, K, tile, gs, y, N, first);
+  if constexpr (V0 + 1 < B / 16) int4_rows_each<B, MR, V0 + 1>(xg, K, tile, gs, y, N, first);
 }
 
 // one group of MR <= 4 rows: y[m, :B] (+)= x[m, :gs] @ W[group], dequantizing each k's B weights in registers
@@ -166,6 +172,14 @@ void int4_block(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
         ze[v][r] = bf16_to_float(e[1]) - 8.f * sc[v][r];  // (q - 8) * s + z = q * s + (z - 8 s)
       }
     if (M <= 4) {  // few rows: multiply straight from the dequantized registers, no tile
+#ifndef __AVX512F__  // AVX2's 16 ymm hold 2 rows' accumulators and the weights (B = 32); 2-row passes
+      for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const float* xm = x + m0 * K + g * gs;
+        if (M - m0 >= 2) int4_direct<B, 2>(xm, K, pk + g * gs * (B / 2), sc, ze, gs, y + m0 * N + n0, N, g == 0);
+        else int4_direct<B, 1>(xm, K, pk + g * gs * (B / 2), sc, ze, gs, y + m0 * N + n0, N, g == 0);
+      }
+      continue;
+#endif
       switch (M) {
         case 1: int4_direct<B, 1>(x + g * gs, K, pk + g * gs * (B / 2), sc, ze, gs, y + n0, N, g == 0); break;
         case 2: int4_direct<B, 2>(x + g * gs, K, pk + g * gs * (B / 2), sc, ze, gs, y + n0, N, g == 0); break;
@@ -190,6 +204,21 @@ void int4_block(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
         *reinterpret_cast<v16*>(t + B / 2 + h * 16) = hi * sc[V / 2 + h] + ze[V / 2 + h];
       }
     }
+#ifndef __AVX512F__  // AVX2: 6 rows x 1 vector (12 of the 16 ymm) per pass over each of the tile's V vectors
+    int64_t r0 = 0;
+    for (; r0 + 6 <= M; r0 += 6) int4_rows_each<B, 6>(x + r0 * K + g * gs, K, tile, gs, y + r0 * N + n0, N, g == 0);
+    const float* xr = x + r0 * K + g * gs;
+    float* yr = y + r0 * N + n0;
+    switch (M - r0) {
+      case 1: int4_rows_each<B, 1>(xr, K, tile, gs, yr, N, g == 0); break;
+      case 2: int4_rows_each<B, 2>(xr, K, tile, gs, yr, N, g == 0); break;
+      case 3: int4_rows_each<B, 3>(xr, K, tile, gs, yr, N, g == 0); break;
+      case 4: int4_rows_each<B, 4>(xr, K, tile, gs, yr, N, g == 0); break;
+      case 5: int4_rows_each<B, 5>(xr, K, tile, gs, yr, N, g == 0); break;
+      default: break;
+    }
+    continue;
+#endif
     // 8 rows x 2 vectors (16 accumulators) per pass over half the tile's columns, then 4-row passes
     constexpr int H = V / 2;
     int64_t m0 = 0;

@@ -25,18 +25,7 @@ at::Tensor pack_panels(const at::Tensor& w) {
 
 // 16 weights of a panel row as floats: fp32 as they are, int8 widened (the row's scale is applied at the end)
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
-inline v16 load16(const int8_t* p) {
-#ifdef __AVX512F__
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  v16 r;
-  std::memcpy(&r, &f, 64);
-  return r;
-#else
-  v16 r;
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
-  return r;
-#endif
-}
+inline v16 load16(const int8_t* p) { return i8_to_f32(p); }
 
 // The kernels' epilogue: y (rows m, panels j) gets acc times the int8 scale (per output), plus bias, then
 // either act(gate) * up (ACT kSilu, kGeluTanh: the panels come in (gate, up) pairs of the same 16 outputs, 16
@@ -94,9 +83,8 @@ inline void panel_kernel(const float* x, int64_t K, const W* P, float* y, int64_
       for (int j = 0; j < NP; ++j) {
         const W* pk = P + (j * K + k) * 16;
         const vu16 u = *reinterpret_cast<const vu16*>(pk);
-        const vu16 l = u << 16, h = u & 0xFFFF0000u;
-        std::memcpy(&lo[j], &l, 64);
-        std::memcpy(&hi[j], &h, 64);
+        lo[j] = bits_f32(u << 16);
+        hi[j] = bits_f32(u & 0xFFFF0000u);
         __builtin_prefetch(pk + 512);  // 1 KiB ahead
       }
       for (int m = 0; m < MR; ++m) {
@@ -171,8 +159,21 @@ inline void int8_panels_as_bf16(const int8_t* P, int64_t K, uint16_t* tile) {
 }
 #endif
 
+// Rows per kernel call for NP panels of weight type W: the MR x NP accumulators, the NP panels' weights (two
+// vectors each for bf16: even and odd k) and a broadcast x must fit the vector registers. AVX-512 has 32, each a
+// v16. AVX2 has 16 ymm, two per v16: fp32 and int8 6 x 1 (the classic 6 x 16 FMA tile) or 2 x 2, bf16 4 x 1.
+template <int NP, typename W>
+constexpr int64_t max_rows() {
+#ifdef __AVX512F__
+  return 8;
+#else
+  if constexpr (std::is_same_v<W, uint16_t>) return NP == 1 ? 4 : 1;
+  else return NP == 1 ? 6 : (NP == 2 ? 2 : 1);
+#endif
+}
+
 // ldy: y's row stride (N, or N / 2 with an ACT). xb: x as bf16 pairs where bf16 panels run on vdpbf16ps, else
-// null. The rows go in chunks of at most 8, all the same size (10 rows: 5 + 5, not 8 + 2); every chunk after the
+// null. The rows go in chunks of at most max_rows (8 with AVX-512), all the same size (10 rows: 5 + 5, not 8 + 2); every chunk after the
 // first prefetches its share of `next`, the thread's next panel group (null: none). (gate, up) pairs pass none: a
 // build that prefetched there too ran gate_up (4096 x 640 bf16) 10-14% slower at 8-32 rows.
 template <int NP, int ACT = kNoAct, typename W = float>
@@ -181,7 +182,8 @@ void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
   const W* pp = P + p * K * 16;
   const float* bp = bias ? bias + p * 16 : nullptr;
   const float* sp = scale ? scale + p * 16 : nullptr;
-  const int64_t chunks = (M + 7) / 8, mr = (M + chunks - 1) / chunks;
+  constexpr int64_t R = max_rows<NP, W>();
+  const int64_t chunks = (M + R - 1) / R, mr = (M + chunks - 1) / chunks;
   const int64_t steps = std::is_same_v<W, uint16_t> ? K / 2 : K;  // k steps of the kernels' loops
   const int64_t share = chunks > 1 && next ? (NP * K * 16 * static_cast<int64_t>(sizeof(W)) + chunks - 2) / (chunks - 1)
                                            : 0;
@@ -276,7 +278,7 @@ void run_panel_pairs(const float* xp, const uint32_t* xb, int64_t M, int64_t K, 
 #endif
   at::parallel_for(0, NPAN / 2, 2, [&](int64_t q0, int64_t q1) {
     int64_t q = q0;
-    if (M <= 2)
+    if (M <= 2 && max_rows<4, W>() >= M)  // two pairs a call where their accumulators fit (AVX2: none)
       for (; q + 2 <= q1; q += 2) panel_rows<4, ACT, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
     for (; q < q1; ++q) panel_rows<2, ACT, W>(xp, xb, M, K, pp, yp, N / 2, 2 * q, bp, sp, nullptr);
   });
@@ -289,8 +291,12 @@ void run_panels(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const
   if (act == kSilu) return run_panel_pairs<kSilu, W>(xp, xb, M, K, pp, yp, NPAN, bp, sp);
   if (act == kGeluTanh) return run_panel_pairs<kGeluTanh, W>(xp, xb, M, K, pp, yp, NPAN, bp, sp);
   // panels per kernel call: enough independent accumulators to hide the FMA latency at few rows, within the
-  // 32 vector registers at 8 rows
+  // vector registers (max_rows)
+#ifdef __AVX512F__
   const int64_t np = M <= 2 ? 4 : (M <= 4 ? 3 : 2);
+#else
+  const int64_t np = std::is_same_v<W, uint16_t> ? (M == 1 ? 2 : 1) : (M == 1 ? 4 : (M == 2 ? 2 : 1));
+#endif
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<W, int8_t>) {
     if (xb) {
@@ -310,7 +316,8 @@ void run_panels(const float* xp, const uint32_t* xb, int64_t M, int64_t K, const
       const W* next = p + np < p1 ? pp + (p + np) * K * 16 : nullptr;
       if (np == 4) panel_rows<4, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp, next);
       else if (np == 3) panel_rows<3, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp, next);
-      else panel_rows<2, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp, next);
+      else if (np == 2) panel_rows<2, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp, next);
+      else panel_rows<1, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp, next);
     }
     for (; p < p1; ++p) panel_rows<1, kNoAct, W>(xp, xb, M, K, pp, yp, N, p, bp, sp, rp);
   });
