@@ -23,8 +23,9 @@ inline void nibbles_to_float(const uint8_t* p, v16& lo, v16& hi) {
   std::memcpy(&lo, &fl, 64);
   std::memcpy(&hi, &fh, 64);
 #else
-  lo = {(f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l)), (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)))};
-  hi = {(f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h)), (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)))};
+  auto widen = [](__m128i b8) { return (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b8)); };  // 8 bytes
+  lo = {widen(l), widen(_mm_srli_si128(l, 8))};
+  hi = {widen(h), widen(_mm_srli_si128(h, 8))};
 #endif
 }
 

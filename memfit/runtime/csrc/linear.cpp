@@ -173,9 +173,9 @@ constexpr int64_t max_rows() {
 }
 
 // ldy: y's row stride (N, or N / 2 with an ACT). xb: x as bf16 pairs where bf16 panels run on vdpbf16ps, else
-// null. The rows go in chunks of at most max_rows (8 with AVX-512), all the same size (10 rows: 5 + 5, not 8 + 2); every chunk after the
-// first prefetches its share of `next`, the thread's next panel group (null: none). (gate, up) pairs pass none: a
-// build that prefetched there too ran gate_up (4096 x 640 bf16) 10-14% slower at 8-32 rows.
+// null. The rows go in chunks of at most max_rows (8 with AVX-512), all the same size (10 rows: 5 + 5, not 8 + 2);
+// every chunk after the first prefetches its share of `next`, the thread's next panel group (null: none). (gate,
+// up) pairs pass none: a build that prefetched there too ran gate_up (4096 x 640 bf16) 10-14% slower at 8-32 rows.
 template <int NP, int ACT = kNoAct, typename W = float>
 void panel_rows(const float* x, const uint32_t* xb, int64_t M, int64_t K, const W* P, float* y, int64_t ldy,
                 int64_t p, const float* bias, const float* scale, const float* res, const W* next = nullptr) {
