@@ -415,13 +415,14 @@ namespace {
 constexpr int64_t kRows = 8;
 constexpr int64_t kMaxKeys = 1024;  // past ~1k keys aten's flash kernel was as fast (2 threads, D 64)
 
-// dst[i][lb, lb + 32) = sc * (q_i . K[l]) for Q query vectors and 32 keys, given as two blocks of 16 transposed
-// ([D][16] each): per d, two key vectors loaded and each q_i[d] broadcast for two FMAs (a 2 x Q register tile)
 #ifdef __AVX512F__
 constexpr int64_t kScoreRows = 8;  // score_block's Q: 2 x 8 accumulators of the 32 zmm
 #else
 constexpr int64_t kScoreRows = 2;  // 2 x 2 v16, 8 of AVX2's 16 ymm
 #endif
+
+// dst[i][lb, lb + 32) = sc * (q_i . K[l]) for Q query vectors and 32 keys, given as two blocks of 16 transposed
+// ([D][16] each): per d, two key vectors loaded and each q_i[d] broadcast for two FMAs (a 2 x Q register tile)
 template <int Q>
 inline void score_block(const float* const* qs, const float* KT, int64_t D, float sc, float* const* dst,
                         int64_t lb) {
