@@ -149,6 +149,24 @@ inline at::Tensor checked_indices(const at::Tensor& t, int64_t n, int64_t lo, in
 // rounded to bf16) instead of fp32 FMAs
 constexpr int64_t kDpbf16MinRows = 8;
 
+// cpu_peak.cpp
+bool has_avx512_bf16();
+double peak_gflops(bool bf16, int64_t iters);
+
+// x rounded to bf16 (nearest even) once per call and read as k pairs (p) by the vdpbf16ps kernels, where they run:
+// an AVX512-BF16 build, `use` (the weight format and the caller's mode allow it), at least kDpbf16MinRows rows;
+// else p is null and the fp32 FMA paths run
+struct Bf16Pairs {
+  at::Tensor t;
+  const uint32_t* p = nullptr;
+  Bf16Pairs(const at::Tensor& x, int64_t rows, bool use) {
+    if (use && has_avx512_bf16() && rows >= kDpbf16MinRows) {
+      t = x.to(at::kBFloat16);
+      p = reinterpret_cast<const uint32_t*>(t.data_ptr<at::BFloat16>());
+    }
+  }
+};
+
 // layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps);
 void rope_store(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_heads, int64_t k0,
@@ -171,8 +189,6 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tens
 at::Tensor pack_panels(const at::Tensor& w);
 std::vector<at::Tensor> mse_qparams(const at::Tensor& wg_in, int64_t bits, bool sym, int64_t steps, double grid,
                                     double norm);
-bool has_avx512_bf16();
-double peak_gflops(bool bf16, int64_t iters);
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10::optional<at::Tensor>& bias,
                          int64_t act, const c10::optional<at::Tensor>& scale,
                          const c10::optional<at::Tensor>& residual, bool bf16_dot = false);

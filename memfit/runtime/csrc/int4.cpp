@@ -271,9 +271,8 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t nb = N / block, half = N / 2;
-  at::Tensor xbt;  // x rounded to bf16 once per call where the dequantized tiles run on vdpbf16ps (bf16_dot)
-  if (bf16_dot && has_avx512_bf16() && M >= kDpbf16MinRows && group_size % 2 == 0) xbt = x.to(at::kBFloat16);
-  const uint32_t* xb = xbt.defined() ? reinterpret_cast<const uint32_t*>(xbt.data_ptr<at::BFloat16>()) : nullptr;
+  const Bf16Pairs xbt(x, M, bf16_dot && group_size % 2 == 0);  // the dequantized tiles on vdpbf16ps
+  const uint32_t* xb = xbt.p;
   at::parallel_for(0, pairs ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(group_size * block + 16);
     float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));

@@ -373,17 +373,13 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (int8) {
-    at::Tensor xb;  // bf16_dot (the engine's bf16 mode): x rounded to bf16 where int8 panels run on vdpbf16ps
-    if (bf16_dot && has_avx512_bf16() && M >= kDpbf16MinRows && K % 2 == 0) xb = x.to(at::kBFloat16);
-    const uint32_t* xbp = xb.defined() ? reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
-    run_panels<int8_t>(xp, xbp, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), act, rp);
+  if (int8) {  // on vdpbf16ps only in the engine's bf16 mode (bf16_dot)
+    const Bf16Pairs xb(x, M, bf16_dot && K % 2 == 0);
+    run_panels<int8_t>(xp, xb.p, M, K, P.data_ptr<int8_t>(), yp, NPAN, bp, sc.data_ptr<float>(), act, rp);
   } else if (bf16) {
-    at::Tensor xb;  // x rounded to bf16 (nearest even) once per call, read as k pairs, where vdpbf16ps runs
-    if (has_avx512_bf16() && M >= kDpbf16MinRows) xb = x.to(at::kBFloat16);
-    const uint32_t* xbp = xb.defined() ? reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()) : nullptr;
+    const Bf16Pairs xb(x, M, true);
     const auto* pp = reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>());
-    run_panels<uint16_t>(xp, xbp, M, K, pp, yp, NPAN, bp, nullptr, act, rp);
+    run_panels<uint16_t>(xp, xb.p, M, K, pp, yp, NPAN, bp, nullptr, act, rp);
   } else {
     run_panels<float>(xp, nullptr, M, K, P.data_ptr<float>(), yp, NPAN, bp, nullptr, act, rp);
   }
