@@ -79,8 +79,8 @@ class SamplerState:
             x, ids = torch.topk(x, p.top_k)
         # unnormalized (the largest is 1): min_p compares with the largest, top_p and the draw with the total
         probs = x.exp_()
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.min_p > 0:  # the largest is exactly 1 (exp of x - max): no second max over the vocabulary
+            probs = probs.masked_fill(probs < p.min_p, 0.0)
         if p.top_p < 1.0:
             probs, order = _top_p(probs, p.top_p)
             ids = order if ids is None else ids[order]
