@@ -194,5 +194,6 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& P, const c10:
                          const c10::optional<at::Tensor>& residual, bool bf16_dot = false);
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
                        int64_t group_size, int64_t block, int64_t act, bool bf16_dot = false);
+bool int4_decode_int16();
 
 }  // namespace memfit

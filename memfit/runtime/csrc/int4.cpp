@@ -1,7 +1,10 @@
 // 4-bit Linears on torch's CPU int4 pack with fp32 activations (memfit.runtime.int4, memfit.runtime.fuse).
 #include <immintrin.h>
 
+#include <memory>
+
 #include "common.h"
+#include "int4_decode.h"
 
 namespace memfit {
 
@@ -27,13 +30,6 @@ inline void nibbles_to_float(const uint8_t* p, v16& lo, v16& hi) {
   lo = {widen(l), widen(_mm_srli_si128(l, 8))};
   hi = {widen(h), widen(_mm_srli_si128(h, 8))};
 #endif
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // y[m, c0:c0 + 16 VN] (+)= x[m, :gs] @ tile[:, c0:c0 + 16 VN] (tile [gs][B]) for MR rows, c0 = 16 V0; the
@@ -157,22 +153,46 @@ void int4_group_dp(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* pk, 
 }
 #endif
 
+bool int4_decode_int16() {
+#ifdef MEMFIT_INT4_DPWSSD
+  return true;
+#else
+  return false;
+#endif
+}
+
 // xb: x as bf16 pairs where the tile path runs on vdpbf16ps (rows >= kDpbf16MinRows), else null
+// xi: x rounded to int16 per group where decode rows run on vpdpwssd (int4_direct_dp), else null
 template <int B>
-void int4_block(const float* x, const uint32_t* xb, int64_t M, int64_t K, const uint8_t* pk, const uint16_t* sz,
-                int64_t N, int64_t n0, int64_t gs, float* y, float* tile) {
+void int4_block(const float* x, const uint32_t* xb, const Int16Groups* xi, int64_t M, int64_t K, const uint8_t* pk,
+                const uint16_t* sz, int64_t N, int64_t n0, int64_t gs, float* y, float* tile) {
   constexpr int V = B / 16;  // output vectors per block
   const int64_t G = K / gs;
   for (int64_t g = 0; g < G; ++g) {
     // dequantize rows [g * gs, (g + 1) * gs) of this block: tile[kk][r], r < B
+    // each output's (scale, zero) bf16 pair is one 32-bit word, the scale in its low half: 16 outputs a load
     v16 sc[V], ze[V];
-    for (int v = 0; v < V; ++v)
-      for (int r = 0; r < 16; ++r) {
-        const uint16_t* e = sz + (g * N + n0 + v * 16 + r) * 2;
-        sc[v][r] = bf16_to_float(e[0]);
-        ze[v][r] = bf16_to_float(e[1]) - 8.f * sc[v][r];  // (q - 8) * s + z = q * s + (z - 8 s)
-      }
+    for (int v = 0; v < V; ++v) {
+      vu16 u;
+      std::memcpy(&u, sz + (g * N + n0 + v * 16) * 2, 64);
+      sc[v] = bits_f32(u << 16);
+      ze[v] = bits_f32(u & 0xFFFF0000u) - 8.f * sc[v];  // (q - 8) * s + z = q * s + (z - 8 s)
+    }
     if (M <= 4) {  // few rows: multiply straight from the dequantized registers, no tile
+#ifdef MEMFIT_INT4_DPWSSD
+      if constexpr (B == 64) {
+        if (xi) {
+          const uint8_t* pg = pk + g * gs * (B / 2);
+          switch (M) {
+            case 1: int4_direct_dp<1>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
+            case 2: int4_direct_dp<2>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
+            case 3: int4_direct_dp<3>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
+            default: int4_direct_dp<4>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
+          }
+          continue;
+        }
+      }
+#endif
 #ifndef __AVX512F__  // AVX2's 16 ymm hold 2 rows' accumulators and the weights (B = 32); 2-row passes
       for (int64_t m0 = 0; m0 < M; m0 += 2) {
         const float* xm = x + m0 * K + g * gs;
@@ -240,6 +260,8 @@ void int4_block(const float* x, const uint32_t* xb, int64_t M, int64_t K, const 
 // y = x @ W^T for x [..., K] fp32 and W in torch's CPU int4 pack with B-row blocks (B = 32 or 64).
 // bf16_dot: from 8 rows on, on AVX512-BF16, x and the dequantized weights are rounded to bf16 and multiplied
 // with vdpbf16ps (twice the FLOPS of the exact fp32 path; the engine's bf16 mode asks for it).
+// 1-4 rows with B = 64 on AVX512-VNNI + VBMI: x rounded to int16 per (row, group) and vpdpwssd (int4_direct_dp),
+// in every mode.
 // act (kSilu, kGeluTanh): W is [gate; up] (N rows, the halves each a multiple of B) and y [..., N / 2] gets
 // act(gate) * up, each thread computing a gate block and its up block and combining them while they are in L1
 // (as the panel kernel's epilogue; replaced at::silu, narrow and mul_ after the call)
@@ -273,13 +295,18 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
   const int64_t nb = N / block, half = N / 2;
   const Bf16Pairs xbt(x, M, bf16_dot && group_size % 2 == 0);  // the dequantized tiles on vdpbf16ps
   const uint32_t* xb = xbt.p;
+  const std::unique_ptr<Int16Groups> xig = int4_decode_int16() && block == 64 && M <= 4 && group_size % 2 == 0 &&
+                                                    group_size < 4369
+                                                ? std::make_unique<Int16Groups>(xp, M, K, group_size)
+                                                : nullptr;
+  const Int16Groups* xi = xig.get();
   at::parallel_for(0, pairs ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(group_size * block + 16);
     float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
     auto run = [&](int64_t b) {
       const uint8_t* pk = pp + b * block * (K / 2);
-      if (block == 64) int4_block<64>(xp, xb, M, K, pk, szp, N, b * 64, group_size, yp, tile);
-      else int4_block<32>(xp, xb, M, K, pk, szp, N, b * 32, group_size, yp, tile);
+      if (block == 64) int4_block<64>(xp, xb, xi, M, K, pk, szp, N, b * 64, group_size, yp, tile);
+      else int4_block<32>(xp, xb, xi, M, K, pk, szp, N, b * 32, group_size, yp, tile);
     };
     for (int64_t b = b0; b < b1; ++b) {
       run(b);

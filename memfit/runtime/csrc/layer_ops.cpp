@@ -128,6 +128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &memfit::int4_linear, "x @ W^T on torch's CPU int4 pack with B-row blocks (fp32 x and y)",
         py::arg("x"), py::arg("packed"), py::arg("scale_zeros"), py::arg("group_size"), py::arg("block"),
         py::arg("act") = 0, py::arg("bf16_dot") = false);
+  m.def("int4_decode_int16", &memfit::int4_decode_int16,
+        "whether int4_linear's 1-4 row calls (64-row blocks) round x to int16 per (row, group) for vpdpwssd");
   m.def("decode_attention", &memfit::decode_attention,
         "one-token-per-sequence attention over the paged caches (fp32), within a sliding window unless it is 0",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("slots"), py::arg("lens"), py::arg("scale"),

@@ -57,6 +57,26 @@ def _exact(m: Int4CpuLinear, x: torch.Tensor) -> torch.Tensor:
     return x @ w.t()
 
 
+def _int16_groups(x: torch.Tensor, gs: int) -> torch.Tensor:
+    """x rounded as int4_linear's vpdpwssd rows round it: to int16 per (row, group of gs), scale max|x| / 32767."""
+    amax = x.view(x.shape[0], -1, gs).abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / amax, 0)  # the kernel's float ops, so that ties round alike
+    return (torch.round(x.view(x.shape[0], -1, gs) * inv) * (amax / 32767)).view_as(x)
+
+
+def _rounds_decode_x(ops) -> bool:
+    """Whether this build's int4_linear rounds 1-4 rows of x to int16 per group (AVX512-VNNI + VBMI, 64-row
+    blocks)."""
+    from memfit.runtime.kernels import int4_block
+
+    return ops.int4_decode_int16() and int4_block() == 64
+
+
+def _kernel_x(ops, x: torch.Tensor, gs: int = 64) -> torch.Tensor:
+    """The x the kernel multiplies exactly: rounded to int16 per group on 1-4 rows where the build does that."""
+    return _int16_groups(x, gs) if x.shape[0] <= 4 and _rounds_decode_x(ops) else x
+
+
 def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
     from memfit.runtime import kernels
 
@@ -64,7 +84,7 @@ def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
     assert kernels.int4_block() in (32, 64)
     mods = _linears([128, 64, 64])
     xs = [torch.randn(r, 256, generator=torch.Generator().manual_seed(r)) for r in (1, 3, 4, 5, 16, 70)]
-    want = [[_exact(m, x) for m in mods] for x in xs]
+    want = [[_exact(m, _kernel_x(ops, x)) for m in mods] for x in xs]
     f = fuse(mods, ops)
     parent = torch.nn.Module()
     parent.a, parent.b, parent.c = mods
@@ -81,7 +101,7 @@ def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
         for name, w in zip("abc", ws, strict=True):
             torch.testing.assert_close(getattr(parent, name)(x), w, atol=1e-4, rtol=1e-4)
     # the bf16 path of compress's own module stays within bf16 rounding of it
-    torch.testing.assert_close(mods[0](xs[1]), want[1][0], atol=0.15, rtol=0.05)
+    torch.testing.assert_close(mods[0](xs[1]), _exact(mods[0], xs[1]), atol=0.15, rtol=0.05)
     assert int4_on_kernels(parent, None) == 0
 
 
@@ -100,7 +120,8 @@ def test_equal_halves_fuse_as_silu_pairs() -> None:
 
 def test_int4_bf16_dot_rounds_x_and_weights_to_bf16_from_8_rows() -> None:
     """The engine's bf16 mode: from 8 rows (prefill) on AVX512-BF16, x and the dequantized weights are rounded to
-    bf16 and multiplied with vdpbf16ps; fewer rows (decode) stay exact. Without the flag every size is exact."""
+    bf16 and multiplied with vdpbf16ps; fewer rows (decode) stay as without the flag. Without it every size is
+    exact but for the decode rows' int16 x (the next test)."""
     from memfit.runtime import kernels
 
     ops = kernels.load("on")
@@ -115,5 +136,26 @@ def test_int4_bf16_dot_rounds_x_and_weights_to_bf16_from_8_rows() -> None:
             want = torch.cat([x.bfloat16().float() @ w.bfloat16().float().t() for w in ws], -1)
             assert (f(x) - exact).abs().max() > 1e-3  # it did round
         else:
-            want = exact
+            want = torch.cat([_exact(m, _kernel_x(ops, x)) for m in mods], -1)
         torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_decode_rows_on_vnni_multiply_x_rounded_to_int16_per_group() -> None:
+    """1-4 rows on AVX512-VNNI + VBMI builds (64-row blocks): x rounded to int16 per (row, group), then the exact
+    product with the dequantized W; 5 rows on, and on other CPUs, x as it is. NaN in x still reaches y."""
+    from memfit.runtime import kernels
+
+    ops = kernels.load("on")
+    mods = _linears([128, 64, 64])
+    f = fuse(mods, ops)
+    for rows in (1, 2, 3, 4, 5):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        x[:, 7] *= 80  # an outlier channel: its group's step is ~80x the others'
+        exact = torch.cat([_exact(m, x) for m in mods], -1)
+        if rows <= 4 and _rounds_decode_x(ops):
+            assert (f(x) - exact).abs().max() > 1e-3  # it did round
+        want = torch.cat([_exact(m, _kernel_x(ops, x)) for m in mods], -1)
+        torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
+        x[0, 3] = float("nan")
+        y = f(x)
+        assert y[0].isnan().all() and not y[1:].isnan().any()

@@ -113,7 +113,12 @@ def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
         torch.testing.assert_close(c, p, atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # and the HF forward over the same (swapped) int4 modules
         ref = model(a[None, :22]).logits[0]
-    torch.testing.assert_close(outs["cpp"][0][0], ref[19], atol=1e-4, rtol=1e-4)
+    # the last layer runs its o_proj and MLP on the 2 rows whose logits return: decode-sized int4 calls, which
+    # round x to int16 per group on AVX512-VNNI builds (HF's 22-row calls do not)
+    from memfit.runtime import kernels
+
+    atol = 1e-3 if kernels.load("on").int4_decode_int16() else 1e-4
+    torch.testing.assert_close(outs["cpp"][0][0], ref[19], atol=atol, rtol=1e-4)
 
 
 def test_hooks_on_embedding_and_lm_head_still_run():

@@ -46,6 +46,15 @@ def _int4(model: torch.nn.Module) -> None:
                     setattr(parent, name, quant_linear(rtn(child.weight.detach(), QuantArgs(4, 64, False)), None))
 
 
+def _int4_atol(loops: float) -> float:
+    """The tolerance of int4 models where decode-sized int4 calls (1-4 rows) round x to int16 per group
+    (AVX512-VNNI builds): the two loops' x differ in the last bits (fp32 summation order), and a value near a
+    rounding boundary then moves one int16 step (~1.5e-5 of its group's max); else ``loops``."""
+    from memfit.runtime import kernels
+
+    return 5e-4 if kernels.load("on").int4_decode_int16() else loops
+
+
 def _run(sm: SlotModel, seqs: dict) -> list[torch.Tensor]:
     outs = []
     for step in STEPS:
@@ -78,16 +87,18 @@ def test_stack_equals_the_python_loop_and_hf(kind: str, weights: str, head_dim: 
         sm.stack = stack if loop == "cpp" else None
         outs[loop] = _run(sm, seqs)
     sm.stack = stack
+    loops_atol = _int4_atol(1e-5) if weights == "int4" else 1e-5
     for c, p in zip(outs["cpp"], outs["python"], strict=True):
-        torch.testing.assert_close(c, p, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, p, atol=loops_atol, rtol=1e-5)
     # HF's forward over the same modules (packed or int4 on memfit's kernels: the weights SlotModel reads)
     with torch.no_grad():
         refs = {s: model(x[None]).logits[0] for s, x in seqs.items()}
     wanted = [(s, st + n - 1) for step in STEPS for s, st, n, w in step if w]
     got = [row for out in outs["cpp"] for row in out]
     assert len(got) == len(wanted)
+    hf_atol = _int4_atol(1e-4) if weights == "int4" else 1e-4
     for row, (s, pos) in zip(got, wanted, strict=True):
-        torch.testing.assert_close(row, refs[s][pos], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(row, refs[s][pos], atol=hf_atol, rtol=1e-4)
 
 
 def test_stack_refuses_what_it_cannot_run() -> None:
@@ -120,5 +131,5 @@ def test_bf16_weights_on_an_int4_model() -> None:
         sm.stack = stack if loop == "cpp" else None
         outs[loop] = _run(sm, seqs)
     for c, p, r in zip(outs["cpp"], outs["python"], ref, strict=True):
-        torch.testing.assert_close(c, p, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, p, atol=_int4_atol(1e-5), rtol=1e-5)
         assert (c - r).abs().max() < 0.02 * r.abs().max()  # bf16 rounding, not a different model
