@@ -144,9 +144,31 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int | None:
     return j * DRAW_BLOCK + i
 
 
+_ARGMAX_CHUNK = 1024
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """``SamplerState.sample`` of every row for plain-greedy sequences, in one argmax over the step's logits
-    [n, V] (per-row calls cost ~15 us each, 0.25 ms of a 16-sequence step)."""
+    """``SamplerState.sample`` of every row for plain-greedy sequences, in one pass over the step's logits
+    [n, V] (per-row calls cost ~15 us each, 0.25 ms of a 16-sequence step). The max of each chunk of 1,024
+    entries (a vectorized reduction), then the first chunk holding the row's max and the first max within it:
+    torch's argmax over a 262,144-entry row took 0.22 ms, after nan_to_num's copy (0.2 ms); this takes 0.04 ms
+    (16 rows: 0.15 vs 1.75 ms for the argmax alone). Where a chunk max is not finite, nan_to_num and argmax as
+    ``sample`` does (NaN never wins, +inf does)."""
+    n, V = logits.shape
+    c = _ARGMAX_CHUNK
+    main = V - V % c
+    if main and logits.is_contiguous() and logits.dtype == torch.float32:
+        chunk_max = logits.as_strided((n, main // c, c), (V, c, 1)).amax(-1)  # [n, chunks]
+        tail = logits[:, main:]
+        tail_max = tail.amax(-1) if main < V else None
+        if torch.isfinite(chunk_max).all() and (tail_max is None or torch.isfinite(tail_max).all()):
+            j = chunk_max.argmax(-1)  # the first chunk holding the max
+            rows = torch.arange(n)
+            within = logits.as_strided((n, main // c, c), (V, c, 1))[rows, j].argmax(-1)
+            best = j * c + within
+            if tail_max is not None:  # the tail comes last: it wins only above the chunks' max
+                best = torch.where(tail_max > chunk_max[rows, j], main + tail.argmax(-1), best)
+            return best.tolist()
     x = torch.nan_to_num(logits, nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
     return x.argmax(-1).tolist()
 

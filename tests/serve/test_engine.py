@@ -294,7 +294,7 @@ def test_engine_on_an_event_loop_serves_between_io_and_stops(loaded):
         eng.submit([_seq(loaded, [1, 2, 3])[0]])
 
 
-def test_batched_greedy_equals_each_rows_sample():
+def test_batched_greedy_equals_each_rows_sample(monkeypatch):
     from serve.sampling import greedy_tokens
 
     torch.manual_seed(0)
@@ -306,6 +306,20 @@ def test_batched_greedy_equals_each_rows_sample():
     greedy = SamplerState(SamplingParams(max_tokens=4, temperature=0.0), [1, 2], 50)
     assert greedy.plain_greedy
     assert greedy_tokens(logits) == [greedy.sample(row) for row in logits]
+    # vocabularies of whole 1,024-entry chunks and a tail: the chunked pass, ties to the first index
+    for V in (4096, 3000):
+        big = torch.randn(6, V, generator=torch.Generator().manual_seed(V))
+        big[1, [5, 2000]] = 9.0  # a tie across chunks
+        big[2, [1030, 1031]] = 9.0  # within a chunk
+        big[3, V - 1] = 9.0  # the last entry (the tail where V has one)
+        big[4, 2047] = float("nan")  # not finite: sample's rules
+        big[5, 100] = float("inf")
+        want = [greedy.sample(row) for row in big]
+        assert want[1:4] == [5, 1030, V - 1]
+        assert greedy_tokens(big) == want  # rows 4 and 5 send the batch to nan_to_num
+        with monkeypatch.context() as m:  # finite rows never need it
+            m.setattr(torch, "nan_to_num", None)
+            assert greedy_tokens(big[:4]) == want[:4]
     assert not SamplerState(SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.2), [1], 50).plain_greedy
     assert not SamplerState(SamplingParams(max_tokens=4, temperature=0.7), [1], 50).plain_greedy
 
