@@ -1,7 +1,7 @@
 """The C++ layer loop (fast_stack, csrc/stack.cpp) on Gemma 3 and qwen3: q/k norms, sandwich norms with an eps
 each, a RoPE base per layer type, sliding windows, GELU-tanh gate/up pairs; fp32 panel and int4 weights. Its
 logits against the Python loop's (1e-5) and HF's (1e-4) over prefill chunks, mixed steps and decodes past the
-window."""
+window (int4 weights on builds whose decode rows round x to int16: 5e-4, see _int4_atol)."""
 
 from __future__ import annotations
 
