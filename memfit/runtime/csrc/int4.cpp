@@ -186,8 +186,8 @@ void int4_block(const float* x, const uint32_t* xb, const Int16Groups* xi, int64
           switch (M) {
             case 1: int4_direct_dp<1>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
             case 2: int4_direct_dp<2>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
-            case 3: int4_direct_dp<3>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
-            default: int4_direct_dp<4>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
+            case 3: int4_direct_dp_apart<3>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
+            default: int4_direct_dp_apart<4>(*xi, K, pg, sc, ze, g, gs, y + n0, N, g == 0); break;
           }
           continue;
         }
