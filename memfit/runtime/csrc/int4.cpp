@@ -301,8 +301,11 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed, const a
                                                 : nullptr;
   const Int16Groups* xi = xig.get();
   at::parallel_for(0, pairs ? nb / 2 : nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(group_size * block + 16);
-    float* tile = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    // the dequantized tile of the 5+ row paths (1-4 rows multiply from registers): a decode call allocated and
+    // zeroed it per thread for nothing (32 KiB at group 128)
+    std::vector<float> buf(M > 4 ? group_size * block + 16 : 0);
+    float* tile = M > 4 ? reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63))
+                        : nullptr;
     auto run = [&](int64_t b) {
       const uint8_t* pk = pp + b * block * (K / 2);
       if (block == 64) int4_block<64>(xp, xb, xi, M, K, pk, szp, N, b * 64, group_size, yp, tile);

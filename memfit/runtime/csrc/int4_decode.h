@@ -20,8 +20,9 @@ struct Int16Groups {
   std::vector<int16_t> q;    // [M][K]
   std::vector<float> s, xs;  // [M][K / gs]: the scale, and the sum of the rounded x (scale * sum q)
   Int16Groups(const float* x, int64_t M, int64_t K, int64_t gs) : q(M * K), s(M * (K / gs)), xs(M * (K / gs)) {
+    const int64_t G = K / gs;
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < K / gs; ++g) {
+      for (int64_t g = 0; g < G; ++g) {
         const float* xg = x + m * K + g * gs;
         float amax = 0.f;
         bool finite = true;  // std::max drops a NaN
@@ -32,14 +33,14 @@ struct Int16Groups {
         int16_t* qg = q.data() + m * K + g * gs;
         if (!finite) {  // NaN / inf stay visible in y, as the fp32 path leaves them
           std::fill_n(qg, gs, int16_t{0});
-          s[m * (K / gs) + g] = xs[m * (K / gs) + g] = std::numeric_limits<float>::quiet_NaN();
+          s[m * G + g] = xs[m * G + g] = std::numeric_limits<float>::quiet_NaN();
           continue;
         }
         const float inv = amax > 0.f ? 32767.f / amax : 0.f;
         int64_t sum = 0;
         for (int64_t i = 0; i < gs; ++i) sum += qg[i] = static_cast<int16_t>(std::nearbyint(xg[i] * inv));
-        s[m * (K / gs) + g] = amax / 32767.f;
-        xs[m * (K / gs) + g] = amax / 32767.f * static_cast<float>(sum);
+        s[m * G + g] = amax / 32767.f;
+        xs[m * G + g] = s[m * G + g] * static_cast<float>(sum);
       }
   }
 };
