@@ -69,11 +69,11 @@ class SamplerState:
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.p
-        x = torch.nan_to_num(self.process(logits), nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
+        x = _finite(self.process(logits))
         top = x.max()
         if p.temperature < 1e-5 or not torch.isfinite(top):
             return int(torch.argmax(x))
-        x = full = x.sub_(top).div_(p.temperature)  # in place: nan_to_num made x a copy
+        x = full = x.sub_(top).div_(p.temperature)  # in place: _finite made x a copy
         ids = None  # the candidates' token ids (None: every token, in order)
         if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
             x, ids = torch.topk(x, p.top_k)
@@ -158,19 +158,23 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     c = _ARGMAX_CHUNK
     main = V - V % c
     if main and logits.is_contiguous() and logits.dtype == torch.float32:
-        chunk_max = logits.as_strided((n, main // c, c), (V, c, 1)).amax(-1)  # [n, chunks]
+        chunks = logits.as_strided((n, main // c, c), (V, c, 1))  # the rows' whole chunks, a view
+        chunk_max = chunks.amax(-1)  # [n, chunks]
         tail = logits[:, main:]
         tail_max = tail.amax(-1) if main < V else None
         if torch.isfinite(chunk_max).all() and (tail_max is None or torch.isfinite(tail_max).all()):
             j = chunk_max.argmax(-1)  # the first chunk holding the max
             rows = torch.arange(n)
-            within = logits.as_strided((n, main // c, c), (V, c, 1))[rows, j].argmax(-1)
-            best = j * c + within
+            best = j * c + chunks[rows, j].argmax(-1)
             if tail_max is not None:  # the tail comes last: it wins only above the chunks' max
                 best = torch.where(tail_max > chunk_max[rows, j], main + tail.argmax(-1), best)
             return best.tolist()
-    x = torch.nan_to_num(logits, nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
-    return x.argmax(-1).tolist()
+    return _finite(logits).argmax(-1).tolist()
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` that sampling can rank: NaN never wins (-inf), +inf does (1e30, finite)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=1e30, neginf=float("-inf"))
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -35,3 +35,11 @@ def tiny_gemma3(layer_types: list[str], window: int, head_dim: int = 32, **cfg):
             if n.endswith("norm.weight"):
                 p.normal_(0, 0.3)
     return model
+
+
+def int4_rounds_decode_x() -> bool:
+    """Whether this build's int4_linear rounds 1-4 rows of x to int16 per group before vpdpwssd (AVX512-VNNI + VBMI
+    builds, 64-row blocks: csrc/int4_decode.h)."""
+    from memfit.runtime import kernels
+
+    return kernels.load("on").int4_decode_int16() and kernels.int4_block() == 64

@@ -12,6 +12,8 @@ from memfit.runtime.int4 import FusedInt4Linear, Int4KernelLinear, _pack_concate
 from memfit.runtime.linear import INT4, INT4_GATE_UP, weight_format
 from memfit.runtime.qlinear import Int4CpuLinear, quant_linear
 
+from .conftest import int4_rounds_decode_x
+
 
 def _linears(rows: list[int], k: int = 256) -> list[Int4CpuLinear]:
     g = torch.Generator().manual_seed(sum(rows))
@@ -64,17 +66,9 @@ def _int16_groups(x: torch.Tensor, gs: int) -> torch.Tensor:
     return (torch.round(x.view(x.shape[0], -1, gs) * inv) * (amax / 32767)).view_as(x)
 
 
-def _rounds_decode_x(ops) -> bool:
-    """Whether this build's int4_linear rounds 1-4 rows of x to int16 per group (AVX512-VNNI + VBMI, 64-row
-    blocks)."""
-    from memfit.runtime.kernels import int4_block
-
-    return ops.int4_decode_int16() and int4_block() == 64
-
-
-def _kernel_x(ops, x: torch.Tensor, gs: int = 64) -> torch.Tensor:
+def _kernel_x(x: torch.Tensor, gs: int = 64) -> torch.Tensor:
     """The x the kernel multiplies exactly: rounded to int16 per group on 1-4 rows where the build does that."""
-    return _int16_groups(x, gs) if x.shape[0] <= 4 and _rounds_decode_x(ops) else x
+    return _int16_groups(x, gs) if x.shape[0] <= 4 and int4_rounds_decode_x() else x
 
 
 def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
@@ -84,7 +78,7 @@ def test_int4_kernel_equals_the_exact_dequantized_product() -> None:
     assert kernels.int4_block() in (32, 64)
     mods = _linears([128, 64, 64])
     xs = [torch.randn(r, 256, generator=torch.Generator().manual_seed(r)) for r in (1, 3, 4, 5, 16, 70)]
-    want = [[_exact(m, _kernel_x(ops, x)) for m in mods] for x in xs]
+    want = [[_exact(m, _kernel_x(x)) for m in mods] for x in xs]
     f = fuse(mods, ops)
     parent = torch.nn.Module()
     parent.a, parent.b, parent.c = mods
@@ -136,7 +130,7 @@ def test_int4_bf16_dot_rounds_x_and_weights_to_bf16_from_8_rows() -> None:
             want = torch.cat([x.bfloat16().float() @ w.bfloat16().float().t() for w in ws], -1)
             assert (f(x) - exact).abs().max() > 1e-3  # it did round
         else:
-            want = torch.cat([_exact(m, _kernel_x(ops, x)) for m in mods], -1)
+            want = torch.cat([_exact(m, _kernel_x(x)) for m in mods], -1)
         torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
 
 
@@ -152,9 +146,9 @@ def test_int4_decode_rows_on_vnni_multiply_x_rounded_to_int16_per_group() -> Non
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         x[:, 7] *= 80  # an outlier channel: its group's step is ~80x the others'
         exact = torch.cat([_exact(m, x) for m in mods], -1)
-        if rows <= 4 and _rounds_decode_x(ops):
+        if rows <= 4 and int4_rounds_decode_x():
             assert (f(x) - exact).abs().max() > 1e-3  # it did round
-        want = torch.cat([_exact(m, _kernel_x(ops, x)) for m in mods], -1)
+        want = torch.cat([_exact(m, _kernel_x(x)) for m in mods], -1)
         torch.testing.assert_close(f(x), want, atol=1e-4, rtol=1e-4)
         x[0, 3] = float("nan")
         y = f(x)

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausa
 
 from memfit.runtime.slot_model import Segment, SlotModel
 
-from .conftest import check_steps
+from .conftest import check_steps, int4_rounds_decode_x
 
 _COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2)
@@ -115,9 +115,7 @@ def test_int4_model_on_the_cpp_layer_loop_equals_the_python_loop():
         ref = model(a[None, :22]).logits[0]
     # the last layer runs its o_proj and MLP on the 2 rows whose logits return: decode-sized int4 calls, which
     # round x to int16 per group on AVX512-VNNI builds (HF's 22-row calls do not)
-    from memfit.runtime import kernels
-
-    atol = 1e-3 if kernels.load("on").int4_decode_int16() else 1e-4
+    atol = 1e-3 if int4_rounds_decode_x() else 1e-4
     torch.testing.assert_close(outs["cpp"][0][0], ref[19], atol=atol, rtol=1e-4)
 
 

@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from memfit.runtime.linear import INT4_GATE_UP_GELU, PANEL_GELU_PAIRS
 from memfit.runtime.slot_model import Segment, SlotModel
 
-from .conftest import tiny_gemma3
+from .conftest import int4_rounds_decode_x, tiny_gemma3
 
 WINDOW = 8
 _COMMON = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -50,9 +50,7 @@ def _int4_atol(loops: float) -> float:
     """The tolerance of int4 models where decode-sized int4 calls (1-4 rows) round x to int16 per group
     (AVX512-VNNI builds): the two loops' x differ in the last bits (fp32 summation order), and a value near a
     rounding boundary then moves one int16 step (~1.5e-5 of its group's max); else ``loops``."""
-    from memfit.runtime import kernels
-
-    return 5e-4 if kernels.load("on").int4_decode_int16() else loops
+    return 5e-4 if int4_rounds_decode_x() else loops
 
 
 def _run(sm: SlotModel, seqs: dict) -> list[torch.Tensor]:
